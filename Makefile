@@ -1,0 +1,40 @@
+# Quick start: `make demo` and `make test` do all the set-up they need, idempotently:
+# a virtualenv in .venv, the package installed editable with its test extra, and Mesa's
+# software Vulkan driver (lavapipe) through apt-get when wgpu finds no adapter at all.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test setup vulkan clean
+
+demo: setup
+	$(PY) -m sparse_attention_op demo
+
+test: setup
+	$(PY) -m pytest -q
+
+setup: $(STAMP) vulkan
+
+# Reinstall only when the package metadata changes.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+# Ask wgpu itself whether it sees an adapter; only when it sees none, install lavapipe.
+vulkan: $(STAMP)
+	@if $(PY) -m sparse_attention_op adapters >/dev/null 2>&1; then \
+	  echo "wgpu adapter: $$($(PY) -m sparse_attention_op adapters | head -n 1)"; \
+	else \
+	  echo "no wgpu adapter found: installing Mesa's software Vulkan driver (lavapipe)"; \
+	  SUDO=$$(command -v sudo >/dev/null && [ "$$(id -u)" != 0 ] && echo sudo); \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends mesa-vulkan-drivers libvulkan1 >/dev/null && \
+	  $(PY) -m sparse_attention_op adapters; \
+	fi
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,24 @@
+"""Run ONNX models containing com.microsoft.SparseAttention on WebGPU, from ONNX Runtime.
+
+    import sparse_attention_op as sao
+    sess = sao.create_session("model.onnx")   # an onnxruntime.InferenceSession
+    outputs = sess.run(None, feeds)
+
+Data flows one way: ORT -> bridge (PyOp) -> spec (one validated call) -> WebGPU executor
+-> outputs. The bridge never touches the GPU and the executor never parses ONNX.
+"""
+
+from .bridge import register
+from .model import prepare_model
+from .session import SparseAttentionSession, create_session
+from .spec import SparseAttentionError, SparseAttentionInputError
+
+__all__ = [
+    "SparseAttentionError",
+    "SparseAttentionInputError",
+    "SparseAttentionSession",
+    "create_session",
+    "prepare_model",
+    "register",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,115 @@
+"""Adapter selection and the process-wide wgpu device.
+
+One device serves every session of the process: pipelines and the adapter's limits are
+per device, and wgpu-native serialises queue work anyway. The adapter is the best one
+found (discrete > integrated > virtual > CPU, native backends before OpenGL) unless
+``SPARSE_ATTENTION_OP_ADAPTER`` names a substring of the wanted adapter's description.
+wgpu's own ``WGPU_BACKEND_TYPE`` still restricts which backends are enumerated.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+import wgpu
+
+ADAPTER_ENV = "SPARSE_ATTENTION_OP_ADAPTER"
+
+_TYPE_RANK = {"DiscreteGPU": 0, "IntegratedGPU": 1, "VirtualGPU": 2, "CPU": 3}
+_BACKEND_RANK = {"Vulkan": 0, "Metal": 0, "D3D12": 0, "OpenGL": 1}
+
+#: Limits raised to what the adapter offers: large caches need big storage bindings, and
+#: the attention pass's tiles want all the workgroup memory there is.
+_RAISED_LIMITS = (
+    "max-storage-buffer-binding-size",
+    "max-buffer-size",
+    "max-compute-workgroup-storage-size",
+    "max-storage-buffers-per-shader-stage",
+    "max-compute-invocations-per-workgroup",
+    "max-compute-workgroup-size-x",
+    "max-compute-workgroups-per-dimension",
+)
+#: Features used when present: f16 storage for later kernels, GPU timestamps for benchmarks.
+_OPTIONAL_FEATURES = ("shader-f16", "timestamp-query")
+
+
+class NoAdapterError(RuntimeError):
+    """wgpu found no adapter that matches."""
+
+
+@dataclass(frozen=True)
+class GpuContext:
+    """The chosen adapter and its device: plain facts the rest of the package reads."""
+
+    adapter: object
+    device: object
+    description: str
+    adapter_type: str
+    backend: str
+    limits: dict
+    features: frozenset
+
+    @property
+    def max_binding_bytes(self) -> int:
+        return int(self.limits["max-storage-buffer-binding-size"])
+
+    @property
+    def workgroup_storage_bytes(self) -> int:
+        return int(self.limits["max-compute-workgroup-storage-size"])
+
+
+def describe(adapter) -> str:
+    info = adapter.info
+    return f"{info.get('device', '?')} ({info.get('adapter_type', '?')}, {info.get('backend_type', '?')})"
+
+
+def list_adapters() -> list:
+    """Adapters in preference order (best first), after the environment filter."""
+    adapters = list(wgpu.gpu.enumerate_adapters_sync())
+    wanted = os.environ.get(ADAPTER_ENV, "").strip().lower()
+    if wanted:
+        adapters = [a for a in adapters if wanted in describe(a).lower() or wanted in a.summary.lower()]
+
+    def rank(adapter):
+        info = adapter.info
+        return (_TYPE_RANK.get(info.get("adapter_type"), 4), _BACKEND_RANK.get(info.get("backend_type"), 2))
+
+    return sorted(adapters, key=rank)
+
+
+def _create_context() -> GpuContext:
+    adapters = list_adapters()
+    if not adapters:
+        hint = f" matching {ADAPTER_ENV}={os.environ[ADAPTER_ENV]!r}" if os.environ.get(ADAPTER_ENV) else ""
+        raise NoAdapterError(
+            f"wgpu found no GPU adapter{hint}. On a machine without a GPU install Mesa's software "
+            "Vulkan driver (Debian/Ubuntu: apt-get install mesa-vulkan-drivers), or run `make setup`."
+        )
+    adapter = adapters[0]
+    limits = {name: adapter.limits[name] for name in _RAISED_LIMITS if name in adapter.limits}
+    features = [f for f in _OPTIONAL_FEATURES if f in adapter.features]
+    device = adapter.request_device_sync(required_features=features, required_limits=limits)
+    return GpuContext(
+        adapter=adapter,
+        device=device,
+        description=describe(adapter),
+        adapter_type=adapter.info.get("adapter_type", "?"),
+        backend=adapter.info.get("backend_type", "?"),
+        limits=dict(device.limits),
+        features=frozenset(device.features),
+    )
+
+
+_context: GpuContext | None = None
+_context_lock = threading.Lock()
+
+
+def get_context() -> GpuContext:
+    """The process-wide device, created on first use."""
+    global _context
+    with _context_lock:
+        if _context is None:
+            _context = _create_context()
+        return _context

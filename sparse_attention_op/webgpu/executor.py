@@ -1,0 +1,220 @@
+"""Runs validated SparseAttention calls on the GPU.
+
+One call is one submit: a single mapped upload, the KV-append pass, the attention pass
+and a single mapped read-back of what the host needs (the output, plus the rotated new
+key rows when rotary is on). ``present_key``/``present_value`` are built on the host from
+the incoming past plus the new rows, never read back from the GPU whole.
+
+State per node (keyed by the identity ``prepare_model`` stamps) is only its buffers: they
+are reused across calls and freed with the session. All GPU work of the process goes
+through one lock: the device and queue are one resource, and wgpu objects are not meant
+to be driven from several threads at once.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import wgpu
+
+from ..block_plan import BlockPlan, BlockPlanCache
+from ..spec import SparseAttentionCall, SparseAttentionError
+from .buffers import BufferSet, Download, Upload
+from .device import GpuContext, get_context
+from .kernels import MAX_WORKGROUPS_PER_DIM, Pass, attention_pass, choose_tiling, kv_append_pass
+from .programs import PipelineCache
+
+_STORAGE_IN = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_DST
+_STORAGE_OUT = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC
+_STORAGE_IO = _STORAGE_IN | wgpu.BufferUsage.COPY_SRC
+
+
+@dataclass
+class NodeRuntime:
+    """GPU state of one SparseAttention node of one session."""
+
+    buffers: BufferSet
+    uploaded_plan: BlockPlan | None = None  # the plan the block_plan buffer holds now
+    plan_buffer: object = None  # ... and the buffer it was uploaded into
+    calls: int = 0
+
+
+def _new_rows(call: SparseAttentionCall, which: str) -> np.ndarray:
+    """This call's new key or value rows from the inputs, as (batch, kv_heads, seq, head)."""
+    attrs, h = call.attributes, call.head_size
+    if call.packed_qkv:
+        start = (attrs.num_heads + (attrs.kv_num_heads if which == "value" else 0)) * h
+        source = call.tensors["query"][:, :, start : start + attrs.kv_num_heads * h]
+    else:
+        source = call.tensors[which]
+    return source.reshape(call.batch_size, call.seq_len, attrs.kv_num_heads, h).transpose(0, 2, 1, 3)
+
+
+class WebGPUExecutor:
+    def __init__(self, context: GpuContext | None = None):
+        self.context = context or get_context()
+        self.pipelines = PipelineCache(self.context.device)
+        self.plans = BlockPlanCache()
+        self._nodes: dict[str, NodeRuntime] = {}
+        self._lock = threading.Lock()
+
+    # -- public -----------------------------------------------------------------------
+    def run(
+        self,
+        call: SparseAttentionCall,
+        node_key: str = "default",
+        present_out: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Execute one call; returns (output, present_key, present_value) as float32.
+
+        ``present_out`` may hold two writable arrays that already contain past_key and
+        past_value (the bridge passes its own fresh copies): the new rows are written into
+        them in place and they are returned, saving a copy of the whole cache.
+        """
+        self._check_limits(call)
+        passes = self._passes(call)
+        plan = self.plans.get(call.tensors["block_row_indices"], call.tensors["block_col_indices"])
+        with self._lock:
+            node = self._node(node_key)
+            output, new_key = self._execute(call, node, plan, passes)
+            node.calls += 1
+        return (output,) + self._presents(call, new_key, present_out)
+
+    def release(self, node_key_prefix: str) -> int:
+        """Free the GPU state of every node whose key starts with the prefix (a session's)."""
+        with self._lock:
+            keys = [k for k in self._nodes if k.startswith(node_key_prefix)]
+            for key in keys:
+                self._nodes.pop(key).buffers.release()
+        return len(keys)
+
+    def node_keys(self) -> list[str]:
+        with self._lock:
+            return list(self._nodes)
+
+    # -- steps ------------------------------------------------------------------------
+    def _node(self, node_key: str) -> NodeRuntime:
+        node = self._nodes.get(node_key)
+        if node is None:
+            node = NodeRuntime(BufferSet(self.context.device, self.context.max_binding_bytes))
+            self._nodes[node_key] = node
+        return node
+
+    def _passes(self, call: SparseAttentionCall) -> tuple[Pass, Pass]:
+        tiling = choose_tiling(call, self.context.workgroup_storage_bytes)
+        return kv_append_pass(call), attention_pass(call, tiling)
+
+    def _check_limits(self, call: SparseAttentionCall) -> None:
+        """Refuse, before any GPU work, a call whose buffers or dispatch the adapter cannot hold."""
+        limit = self.context.max_binding_bytes
+        attrs = call.attributes
+        sizes = {
+            "past_key": int(np.prod(call.cache_shape)) * 4,
+            "query": call.tensors["query"].nbytes,
+            "output": int(np.prod(call.output_shape)) * 4,
+        }
+        for name, nbytes in sizes.items():
+            if nbytes > limit:
+                raise SparseAttentionError(
+                    f"SparseAttention input '{name}': needs a {nbytes}-byte GPU buffer, more than this adapter binds ({limit} bytes)"
+                )
+        if -(-call.seq_len // 4) > MAX_WORKGROUPS_PER_DIM or attrs.num_heads > MAX_WORKGROUPS_PER_DIM or call.batch_size > MAX_WORKGROUPS_PER_DIM:
+            raise SparseAttentionError("SparseAttention input 'query': batch, heads or sequence exceed the GPU's dispatch limits")
+
+    def _execute(self, call: SparseAttentionCall, node: NodeRuntime, plan: BlockPlan, passes) -> tuple[np.ndarray, np.ndarray | None]:
+        device, t = self.context.device, call.tensors
+        buffers = node.buffers
+        attrs = call.attributes
+        cache_bytes = int(np.prod(call.cache_shape)) * 4
+        output = np.empty(call.output_shape, dtype=np.float32)
+        new_key = None
+
+        upload = Upload(buffers)
+        bound = {
+            "query": buffers.get("query", t["query"].nbytes, _STORAGE_IN),
+            "key_cache": buffers.get("key_cache", cache_bytes, _STORAGE_IO),
+            "value_cache": buffers.get("value_cache", cache_bytes, _STORAGE_IO),
+            "row_past": buffers.get("row_past", call.batch_size * 4, _STORAGE_IN),
+            "block_plan": buffers.get("block_plan", plan.nbytes, _STORAGE_IN),
+            "output": buffers.get("output", output.nbytes, _STORAGE_OUT),
+        }
+        upload.add(t["query"], bound["query"])
+        if call.packed_qkv:
+            bound["key_source"] = bound["value_source"] = bound["query"]
+        else:
+            for name in ("key", "value"):
+                bound[f"{name}_source"] = buffers.get(name, t[name].nbytes, _STORAGE_IN)
+                upload.add(t[name], bound[f"{name}_source"])
+        # This issue's cache is uploaded whole on every call; only the new rows change on GPU.
+        upload.add(t["past_key"], bound["key_cache"])
+        upload.add(t["past_value"], bound["value_cache"])
+        upload.add(np.asarray(call.past_lengths, dtype=np.uint32), bound["row_past"])
+        # Layouts rarely change: the plan cache hands back the same object for the same
+        # layout, so identity says whether the GPU copy is current.
+        if node.uploaded_plan is not plan or node.plan_buffer is not bound["block_plan"]:
+            upload.add(plan.words, bound["block_plan"])
+            node.uploaded_plan, node.plan_buffer = plan, bound["block_plan"]
+        if attrs.do_rotary:
+            for name in ("cos_cache", "sin_cache"):
+                bound[name] = buffers.get(name, t[name].nbytes, _STORAGE_IN)
+                upload.add(t[name], bound[name])
+            new_key = np.empty((call.batch_size, attrs.kv_num_heads, call.seq_len, call.head_size), dtype=np.float32)
+            bound["new_key"] = buffers.get("new_key", new_key.nbytes, _STORAGE_OUT)
+
+        encoder = device.create_command_encoder()
+        upload.encode(encoder)
+        compute = encoder.begin_compute_pass()
+        for gpu_pass in passes:
+            self._dispatch(compute, gpu_pass, bound, buffers)
+        compute.end()
+        download = Download(buffers)
+        download.add("output", bound["output"], output.nbytes)
+        if new_key is not None:
+            download.add("new_key", bound["new_key"], new_key.nbytes)
+        download.encode(encoder)
+        device.queue.submit([encoder.finish()])
+        download.read_into({"output": output, "new_key": new_key})
+        return output, new_key
+
+    def _dispatch(self, compute, gpu_pass: Pass, bound: dict, buffers: BufferSet) -> None:
+        compiled = self.pipelines.get(gpu_pass.program)
+        uniform_words = gpu_pass.program.pack_uniforms(gpu_pass.uniforms)
+        name = f"uniforms:{gpu_pass.program.template}"
+        uniform_buffer = buffers.get(name, uniform_words.nbytes, wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST)
+        # Uniforms are tiny; write_buffer is ordered before the submit that uses them.
+        self.context.device.queue.write_buffer(uniform_buffer, 0, uniform_words)
+        entries = [{"binding": 0, "resource": {"buffer": uniform_buffer, "offset": 0, "size": uniform_words.nbytes}}]
+        for index, binding in enumerate(gpu_pass.program.bindings, start=1):
+            entries.append({"binding": index, "resource": {"buffer": bound[binding.name], "offset": 0}})
+        bind_group = self.context.device.create_bind_group(layout=compiled.bind_group_layout, entries=entries)
+        compute.set_pipeline(compiled.pipeline)
+        compute.set_bind_group(0, bind_group)
+        compute.dispatch_workgroups(*gpu_pass.workgroups)
+
+    def _presents(self, call: SparseAttentionCall, new_key: np.ndarray | None, present_out) -> tuple[np.ndarray, np.ndarray]:
+        if present_out is None:
+            present_key = np.array(call.tensors["past_key"], dtype=np.float32, copy=True)
+            present_value = np.array(call.tensors["past_value"], dtype=np.float32, copy=True)
+        else:
+            present_key, present_value = present_out
+        keys = new_key if new_key is not None else _new_rows(call, "key")
+        values = _new_rows(call, "value")
+        for b, past in enumerate(call.past_lengths):
+            present_key[b, :, past : past + call.seq_len] = keys[b]
+            present_value[b, :, past : past + call.seq_len] = values[b]
+        return present_key, present_value
+
+
+_executor: WebGPUExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def get_executor() -> WebGPUExecutor:
+    """The process-wide executor on the process-wide device."""
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            _executor = WebGPUExecutor()
+        return _executor

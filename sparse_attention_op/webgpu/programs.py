@@ -1,0 +1,128 @@
+"""GPU programs: what a kernel declares, how its WGSL is rendered, and the pipeline cache.
+
+Modelled on ONNX Runtime's WebGPU programs: a :class:`Program` declares its storage
+bindings, its uniforms and its code-shaping constants. Shape-dependent values go in the
+uniform block so one pipeline serves every shape; only values that change the generated
+code (head size, tile sizes, rotary layout) are constants, and those constants together
+with the declarations form the cache key. wgpu does not cache pipelines itself, and
+compiling one costs milliseconds to seconds (lavapipe), so each is built once per device.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+import numpy as np
+import wgpu
+
+TEMPLATE_DIR = Path(__file__).parent / "templates"
+
+_environment = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+    undefined=jinja2.StrictUndefined,  # a misspelt constant must fail loudly, not render as ''
+    trim_blocks=True,
+    lstrip_blocks=True,
+    keep_trailing_newline=True,
+)
+
+
+@dataclass(frozen=True)
+class Binding:
+    """One storage buffer of a program: its WGSL name, element type and access."""
+
+    name: str
+    element: str  # "f32", "u32", "vec4<f32>", ...
+    writable: bool = False
+
+
+@dataclass(frozen=True)
+class Program:
+    """A kernel declaration: template, bindings, uniforms (name, "u32" | "f32") and constants."""
+
+    template: str
+    bindings: tuple[Binding, ...]
+    uniforms: tuple[tuple[str, str], ...]
+    constants: tuple[tuple[str, object], ...]
+
+    @property
+    def cache_key(self) -> tuple:
+        return (self.template, self.bindings, self.uniforms, self.constants)
+
+    def declarations(self) -> str:
+        """WGSL for the bind group: the uniform block at binding 0, storage buffers after it."""
+        fields = "\n".join(f"  {name}: {kind}," for name, kind in self.uniforms)
+        lines = [f"struct Params {{\n{fields}\n}};", "@group(0) @binding(0) var<uniform> params: Params;"]
+        for index, binding in enumerate(self.bindings, start=1):
+            access = "read_write" if binding.writable else "read"
+            lines.append(f"@group(0) @binding({index}) var<storage, {access}> {binding.name}: array<{binding.element}>;")
+        return "\n".join(lines)
+
+    def render(self) -> str:
+        template = _environment.get_template(self.template)
+        return template.render(declarations=self.declarations(), **dict(self.constants))
+
+    def pack_uniforms(self, values: dict) -> np.ndarray:
+        """The uniform block as bytes, in declaration order, padded to 16 bytes."""
+        missing = [name for name, _ in self.uniforms if name not in values]
+        if missing:
+            raise KeyError(f"{self.template}: uniforms not given: {missing}")
+        words = np.zeros(-(-len(self.uniforms) // 4) * 4, dtype=np.uint32)
+        for index, (name, kind) in enumerate(self.uniforms):
+            if kind == "f32":
+                words[index : index + 1] = np.array([values[name]], dtype=np.float32).view(np.uint32)
+            else:
+                value = int(values[name])
+                if not 0 <= value < 2**32:
+                    raise OverflowError(f"{self.template}: uniform {name} = {value} does not fit u32")
+                words[index] = value
+        return words
+
+
+@dataclass
+class CompiledProgram:
+    program: Program
+    pipeline: object
+    bind_group_layout: object
+    wgsl: str
+
+
+class PipelineCache:
+    """Compiled pipelines of one device, keyed by everything that shaped their WGSL."""
+
+    def __init__(self, device):
+        self._device = device
+        self._compiled: dict[tuple, CompiledProgram] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._compiled)
+
+    def get(self, program: Program) -> CompiledProgram:
+        key = program.cache_key
+        with self._lock:
+            compiled = self._compiled.get(key)
+            if compiled is None:
+                compiled = self._compile(program)
+                self._compiled[key] = compiled
+            return compiled
+
+    def _compile(self, program: Program) -> CompiledProgram:
+        wgsl = program.render()
+        device = self._device
+        module = device.create_shader_module(code=wgsl, label=program.template)
+        storage = wgpu.BufferBindingType
+        entries = [{"binding": 0, "visibility": wgpu.ShaderStage.COMPUTE, "buffer": {"type": storage.uniform}}]
+        for index, binding in enumerate(program.bindings, start=1):
+            kind = storage.storage if binding.writable else storage.read_only_storage
+            entries.append({"binding": index, "visibility": wgpu.ShaderStage.COMPUTE, "buffer": {"type": kind}})
+        # An explicit layout (not "auto") so a binding the compiler finds unused still binds.
+        layout = device.create_bind_group_layout(entries=entries)
+        pipeline = device.create_compute_pipeline(
+            layout=device.create_pipeline_layout(bind_group_layouts=[layout]),
+            compute={"module": module, "entry_point": "main"},
+            label=program.template,
+        )
+        return CompiledProgram(program, pipeline, layout, wgsl)

@@ -1,0 +1,72 @@
+"""Comparisons against the float64 reference and ONNX Runtime's own CPU kernel."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+
+from sparse_attention_op.reference import sparse_attention_reference
+from sparse_attention_op.spec import OpAttributes, build_call
+
+TOLERANCE = 2e-3  # absolute and relative, float32 (the acceptance bound)
+
+
+def assert_close(actual, expected, what, tol=TOLERANCE):
+    actual = np.asarray(actual, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    assert np.all(np.isfinite(actual)), f"{what}: non-finite values"
+    error = np.abs(actual - expected)
+    bound = tol + tol * np.abs(expected)
+    worst = np.unravel_index(np.argmax(error - bound), error.shape)
+    assert np.all(error <= bound), f"{what}: max error {error.max():.3g} at {worst} (got {actual[worst]}, want {expected[worst]})"
+
+
+def live_rows(call_inputs) -> list[int]:
+    """Per batch row, how many cache rows are history after the call (the live part)."""
+    return [int(v) for v in np.asarray(call_inputs["key_total_sequence_lengths"]).reshape(-1)]
+
+
+def assert_matches_reference(outputs, inputs, attributes, what=""):
+    """Output and the live part of each present match the float64 reference."""
+    ref = sparse_attention_reference(**inputs, **attributes)
+    assert_close(outputs[0], ref[0], f"{what} output")
+    seq_len = inputs["query"].shape[1]
+    total = int(np.asarray(inputs["total_sequence_length"]).reshape(-1)[0])
+    for index, name in ((1, "present_key"), (2, "present_value")):
+        for b, live in enumerate(live_rows(inputs)):
+            # In a prompt, padding rows land in the cache too: all S new rows are live data.
+            rows = seq_len if total == seq_len else live
+            assert_close(outputs[index][b, :, :rows], ref[index][b, :, :rows], f"{what} {name}[{b}]")
+    return ref
+
+
+def run_executor(executor, inputs, attributes, node_key="test"):
+    call = build_call(inputs, OpAttributes.from_mapping(attributes))
+    return executor.run(call, node_key)
+
+
+def run_ort_cpu(model, feeds):
+    """ORT's own CPU kernel. It needs past and present bound to one buffer (IO binding)."""
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    binding = session.io_binding()
+    # ortvalue_from_numpy wraps the array's memory without owning it: keep the arrays alive.
+    arrays = {name: np.array(feeds[name], copy=True) for name in ("past_key", "past_value")}
+    past = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in arrays.items()}
+    graph_inputs = {i.name for i in session.get_inputs()}
+    for name, value in feeds.items():
+        if name not in graph_inputs:
+            continue
+        if name in past:
+            binding.bind_ortvalue_input(name, past[name])
+        else:
+            binding.bind_cpu_input(name, np.ascontiguousarray(value))
+    binding.bind_output("output")
+    binding.bind_ortvalue_output("present_key", past["past_key"])
+    binding.bind_ortvalue_output("present_value", past["past_value"])
+    session.run_with_iobinding(binding)
+    return binding.copy_outputs_to_cpu()[0], arrays["past_key"], arrays["past_value"]
+
+
+def graph_feeds(session, inputs):
+    return {i.name: inputs[i.name] for i in session.get_inputs()}
