@@ -7,13 +7,16 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
+# lavapipe's window-system layer warns without a runtime dir; nothing here draws to a screen.
+export XDG_RUNTIME_DIR ?= /tmp
+
 .PHONY: demo test setup vulkan clean
 
 demo: setup
 	$(PY) -m sparse_attention_op demo
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest
 
 setup: $(STAMP) vulkan
 
@@ -24,16 +27,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-# Ask wgpu itself whether it sees an adapter; only when it sees none, install lavapipe.
+# Ask wgpu itself whether it sees a native (Vulkan/Metal/D3D12) adapter; only when it sees
+# none, install lavapipe. OpenGL adapters do not count: the kernels need a native backend.
 vulkan: $(STAMP)
-	@if $(PY) -m sparse_attention_op adapters >/dev/null 2>&1; then \
+	@if $(PY) -m sparse_attention_op adapters --native >/dev/null 2>&1; then \
 	  echo "wgpu adapter: $$($(PY) -m sparse_attention_op adapters | head -n 1)"; \
 	else \
 	  echo "no wgpu adapter found: installing Mesa's software Vulkan driver (lavapipe)"; \
 	  SUDO=$$(command -v sudo >/dev/null && [ "$$(id -u)" != 0 ] && echo sudo); \
 	  $$SUDO apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends mesa-vulkan-drivers libvulkan1 >/dev/null && \
-	  $(PY) -m sparse_attention_op adapters; \
+	  $(PY) -m sparse_attention_op adapters --native; \
 	fi
 
 clean:

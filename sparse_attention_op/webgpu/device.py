@@ -2,7 +2,7 @@
 
 One device serves every session of the process: pipelines and the adapter's limits are
 per device, and wgpu-native serialises queue work anyway. The adapter is the best one
-found (discrete > integrated > virtual > CPU, native backends before OpenGL) unless
+found (native backends before OpenGL, then discrete > integrated > virtual > CPU) unless
 ``SPARSE_ATTENTION_OP_ADAPTER`` names a substring of the wanted adapter's description.
 wgpu's own ``WGPU_BACKEND_TYPE`` still restricts which backends are enumerated.
 """
@@ -18,7 +18,7 @@ import wgpu
 ADAPTER_ENV = "SPARSE_ATTENTION_OP_ADAPTER"
 
 _TYPE_RANK = {"DiscreteGPU": 0, "IntegratedGPU": 1, "VirtualGPU": 2, "CPU": 3}
-_BACKEND_RANK = {"Vulkan": 0, "Metal": 0, "D3D12": 0, "OpenGL": 1}
+_BACKEND_RANK = {"Vulkan": 0, "Metal": 0, "D3D12": 0, "OpenGL": 2}
 
 #: Limits raised to what the adapter offers: large caches need big storage bindings, and
 #: the attention pass's tiles want all the workgroup memory there is.
@@ -74,7 +74,8 @@ def list_adapters() -> list:
 
     def rank(adapter):
         info = adapter.info
-        return (_TYPE_RANK.get(info.get("adapter_type"), 4), _BACKEND_RANK.get(info.get("backend_type"), 2))
+        # Native backends first (the kernels need their storage limits), then GPUs before CPUs.
+        return (_BACKEND_RANK.get(info.get("backend_type"), 1), _TYPE_RANK.get(info.get("adapter_type"), 4))
 
     return sorted(adapters, key=rank)
 

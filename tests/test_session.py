@@ -1,0 +1,277 @@
+"""create_session / prepare_model / register: the op inside real ONNX Runtime sessions."""
+
+import gc
+import threading
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+import sparse_attention_op as sao
+from helpers import assert_close, assert_matches_reference, graph_feeds, run_ort_cpu
+from sparse_attention_op.bridge import NODE_KEY_ATTRIBUTE
+from sparse_attention_op.demo import build_demo_model, reference_step
+from sparse_attention_op.graphs import sparse_attention_model
+from sparse_attention_op.inputs import CaseConfig, random_inputs
+from sparse_attention_op.model import ABSENT_FLOAT, node_attributes
+from sparse_attention_op.webgpu import get_executor
+
+LAYOUT = ("block_row_indices", "block_col_indices")
+
+
+def model_and_inputs(config, rng, constants=LAYOUT):
+    inputs = random_inputs(config, rng)
+    return sparse_attention_model(config.node_attributes(), inputs, constants=constants), inputs
+
+
+# -- prepare_model (no GPU) ----------------------------------------------------------------
+def test_prepare_model_fills_defaults_placeholders_and_identity(rng):
+    config = CaseConfig(packed=True)
+    model, _ = model_and_inputs(config, rng)
+    node = model.graph.node[0]
+    del node.attribute[:]
+    node.attribute.extend([onnx.helper.make_attribute(k, v) for k, v in dict(num_heads=4, kv_num_heads=2, sparse_block_size=8).items()])
+    prepared = sao.prepare_model(model)
+    node = prepared.graph.node[0]
+    attrs = node_attributes(node)
+    assert attrs["scale"] == 0.0 and attrs["do_rotary"] == 0 and attrs["rotary_interleaved"] == 0
+    assert len(node.input) == 11
+    assert [node.input[i] for i in (1, 2, 9, 10)] == [ABSENT_FLOAT] * 4
+    assert any(init.name == ABSENT_FLOAT for init in prepared.graph.initializer)
+    assert attrs[NODE_KEY_ATTRIBUTE].decode().endswith(":sparse_attention")
+    # a fresh identity on each preparation, the original model untouched
+    again = sao.prepare_model(model)
+    assert node_attributes(again.graph.node[0])[NODE_KEY_ATTRIBUTE] != attrs[NODE_KEY_ATTRIBUTE]
+    assert len(model.graph.node[0].input) == 9
+
+
+def test_prepare_model_leaves_other_nodes_alone():
+    model = build_demo_model()
+    prepared = sao.prepare_model(model)
+    for before, after in zip(model.graph.node, prepared.graph.node):
+        if before.op_type != "SparseAttention":
+            assert before == after
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(num_heads=6, kv_num_heads=4), "num_heads"),
+        (dict(sparse_block_size=12), "sparse_block_size"),
+        (dict(do_rotary=1), "cos_cache"),
+        (dict(kv_num_heads=0), "kv_num_heads"),
+    ],
+)
+def test_prepare_model_refuses_model_level_faults(rng, change, message):
+    model, _ = model_and_inputs(CaseConfig(), rng)
+    node = model.graph.node[0]
+    for name, value in change.items():
+        for attribute in node.attribute:
+            if attribute.name == name:
+                node.attribute.remove(attribute)
+                break
+        node.attribute.append(onnx.helper.make_attribute(name, value))
+    with pytest.raises(sao.SparseAttentionError, match=message):
+        sao.create_session(model)
+
+
+def test_key_without_value_is_refused(rng):
+    model, _ = model_and_inputs(CaseConfig(), rng)
+    model.graph.node[0].input[2] = ""
+    with pytest.raises(sao.SparseAttentionError, match="'key' and 'value'"):
+        sao.prepare_model(model)
+
+
+def test_register_is_idempotent():
+    sao.register()
+    sao.register()
+
+
+# -- sessions (GPU) -------------------------------------------------------------------------
+pytestmark_gpu = pytest.mark.gpu
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("source", ["proto", "bytes", "path"])
+def test_create_session_runs_on_webgpu(executor, rng, tmp_path, source):
+    config = CaseConfig(seq_len=7)
+    model, inputs = model_and_inputs(config, rng)
+    arg = {"proto": model, "bytes": model.SerializeToString(), "path": tmp_path / "m.onnx"}[source]
+    if source == "path":
+        onnx.save(model, str(arg))
+    session = sao.create_session(arg)
+    assert isinstance(session, ort.InferenceSession)
+    outputs = session.run(None, graph_feeds(session, inputs))
+    assert_matches_reference(outputs, inputs, config.node_attributes())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "config",
+    [
+        CaseConfig(seq_len=12, num_heads=8, kv_num_heads=2, num_layout=4, head_size=32),
+        CaseConfig(seq_len=1, past_lengths=(30,), head_size=64, max_cache_len=40),
+        CaseConfig(seq_len=5, past_lengths=(11,), packed=True, do_rotary=True, head_size=32),
+        CaseConfig(batch=2, seq_len=1, past_lengths=(25, 25), do_rotary=True, rotary_interleaved=True, head_size=32, rotary_dim=16),
+    ],
+    ids=["prompt-gqa", "decode", "chunked-packed-rotary", "batch-decode-interleaved-partial"],
+)
+def test_session_matches_ort_cpu_kernel(executor, rng, config):
+    model, inputs = model_and_inputs(config, rng, constants=())
+    expected = run_ort_cpu(model, inputs)
+    session = sao.create_session(model)
+    outputs = session.run(None, graph_feeds(session, inputs))
+    assert_close(outputs[0], expected[0], "output vs ORT CPU")
+    live = int(inputs["key_total_sequence_lengths"].max())
+    for index, name in ((1, "present_key"), (2, "present_value")):
+        assert_close(outputs[index][:, :, :live], expected[index][:, :, :live], f"{name} vs ORT CPU")
+
+
+@pytest.mark.gpu
+def test_demo_graph_with_other_nodes(executor):
+    model = build_demo_model()
+    session = sao.create_session(model)
+    rng = np.random.default_rng(3)
+    feeds = {
+        "hidden_states": rng.standard_normal((1, 20, 256), dtype=np.float32),
+        "past_key": np.zeros((1, 2, 256, 32), np.float32),
+        "past_value": np.zeros((1, 2, 256, 32), np.float32),
+        "total_sequence_length": np.array([20], np.int32),
+        "key_total_sequence_lengths": np.array([20], np.int32),
+    }
+    outputs = session.run(None, feeds)
+    for got, want, name in zip(outputs, reference_step(model, feeds), ("output", "present_key", "present_value")):
+        assert_close(got[..., :20, :] if name != "output" else got, want[..., :20, :] if name != "output" else want, name)
+
+
+@pytest.mark.gpu
+def test_bad_call_raises_naming_the_input_and_session_recovers(executor, rng):
+    config = CaseConfig(seq_len=1, past_lengths=(10,))
+    model, inputs = model_and_inputs(config, rng)
+    session = sao.create_session(model)
+    feeds = graph_feeds(session, inputs)
+    bad = dict(feeds, key_total_sequence_lengths=np.array([99], np.int32))
+    with pytest.raises(sao.SparseAttentionInputError, match="key_total_sequence_lengths"):
+        session.run(None, bad)
+    outputs = session.run(None, feeds)
+    assert_matches_reference(outputs, inputs, config.node_attributes())
+
+
+@pytest.mark.gpu
+def test_two_sessions_of_one_model_do_not_share_state(executor, rng):
+    config = CaseConfig(seq_len=1, past_lengths=(12,))
+    model, first = model_and_inputs(config, rng)
+    second = random_inputs(config, rng)
+    a, b = sao.create_session(model), sao.create_session(model)
+    assert a.sparse_attention_token != b.sparse_attention_token
+    for _ in range(2):
+        out_a = a.run(None, graph_feeds(a, first))
+        out_b = b.run(None, graph_feeds(b, second))
+        assert_matches_reference(out_a, first, config.node_attributes(), "session a")
+        assert_matches_reference(out_b, second, config.node_attributes(), "session b")
+
+
+@pytest.mark.gpu
+def test_one_session_from_several_threads(executor, rng):
+    config = CaseConfig(batch=2, seq_len=3, past_lengths=(7, 20))
+    model, _ = model_and_inputs(config, rng)
+    session = sao.create_session(model)
+    cases = [random_inputs(config, np.random.default_rng(seed)) for seed in range(4)]
+    failures = []
+
+    def worker(inputs):
+        try:
+            for _ in range(3):
+                outputs = session.run(None, graph_feeds(session, inputs))
+                assert_matches_reference(outputs, inputs, config.node_attributes())
+        except Exception as error:  # collected: pytest does not see thread exceptions
+            failures.append(error)
+
+    threads = [threading.Thread(target=worker, args=(inputs,)) for inputs in cases]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not failures, failures[0]
+
+
+@pytest.mark.gpu
+def test_thread_errors_stay_with_their_thread(executor, rng):
+    config = CaseConfig(seq_len=1, past_lengths=(10,))
+    model, inputs = model_and_inputs(config, rng)
+    session = sao.create_session(model)
+    feeds = graph_feeds(session, inputs)
+    bad = dict(feeds, total_sequence_length=np.array([500], np.int32))
+    results = {}
+
+    def good_worker():
+        try:
+            for _ in range(5):
+                assert_matches_reference(session.run(None, feeds), inputs, config.node_attributes())
+            results["good"] = "ok"
+        except Exception as error:
+            results["good"] = error
+
+    def bad_worker():
+        errors = 0
+        for _ in range(5):
+            try:
+                session.run(None, bad)
+            except sao.SparseAttentionInputError:
+                errors += 1
+        results["bad"] = errors
+
+    threads = [threading.Thread(target=good_worker), threading.Thread(target=bad_worker)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert results == {"good": "ok", "bad": 5}
+
+
+@pytest.mark.gpu
+def test_session_state_is_freed_with_the_session(executor, rng):
+    config = CaseConfig(seq_len=2)
+    model, inputs = model_and_inputs(config, rng)
+    session = sao.create_session(model)
+    session.run(None, graph_feeds(session, inputs))
+    token = session.sparse_attention_token
+    assert any(key.startswith(token) for key in get_executor().node_keys())
+    del session
+    gc.collect()
+    assert not any(key.startswith(token) for key in get_executor().node_keys())
+
+
+@pytest.mark.gpu
+def test_other_pyops_keep_the_stock_dispatcher(executor, rng):
+    from onnxruntime_extensions import PyCustomOpDef, get_library_path, onnx_op
+
+    @onnx_op(op_type="SaoTestNegate", inputs=[PyCustomOpDef.dt_float], outputs=[PyCustomOpDef.dt_float])
+    def negate(x):
+        return -x
+
+    sao.register()
+    node = onnx.helper.make_node("SaoTestNegate", ["x"], ["y"], domain="ai.onnx.contrib")
+    graph = onnx.helper.make_graph(
+        [node], "g", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [3])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [3])],
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17), onnx.helper.make_opsetid("ai.onnx.contrib", 1)], ir_version=10)
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(get_library_path())
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    x = np.array([1.0, -2.0, 3.5], np.float32)
+    assert np.array_equal(session.run(None, {"x": x})[0], -x)
+
+
+@pytest.mark.gpu
+def test_user_session_options_are_kept_and_reusable(executor, rng):
+    config = CaseConfig(seq_len=3)
+    model, inputs = model_and_inputs(config, rng)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    first = sao.create_session(model, sess_options=options)
+    second = sao.create_session(model, sess_options=options)  # registering twice would fail
+    for session in (first, second):
+        assert_matches_reference(session.run(None, graph_feeds(session, inputs)), inputs, config.node_attributes())
