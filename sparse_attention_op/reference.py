@@ -58,6 +58,25 @@ def apply_rotary(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.
     return out
 
 
+def attend(queries, keys, values, positions, layout_mask, block_size: int, scale: float) -> np.ndarray:
+    """Attention of queries at absolute ``positions`` over keys/values 0..n-1 of one head.
+
+    Key j is visible to the query at position q when j <= q and block j // block_size is
+    selected in row q // block_size of ``layout_mask``. A query that sees no key averages V
+    over its whole causal history.
+    """
+    key_pos = np.arange(keys.shape[0])
+    causal = key_pos[None, :] <= positions[:, None]
+    visible = causal & layout_mask[positions[:, None] // block_size, key_pos[None, :] // block_size]
+    scores = np.where(visible, (queries @ keys.T) * scale, -np.inf)
+    row_max = scores.max(axis=1, keepdims=True)
+    seen = np.isfinite(row_max[:, 0])
+    weights = np.where(visible, np.exp(scores - np.where(seen[:, None], row_max, 0.0)), 0.0)
+    weights[~seen] = causal[~seen].astype(np.float64)
+    weights /= weights.sum(axis=1, keepdims=True)
+    return weights @ values
+
+
 def sparse_attention_reference(
     query,
     key=None,
@@ -121,22 +140,9 @@ def sparse_attention_reference(
         present_value[b, :, past : past + seq_len] = v_new[b]
 
         n_keys = past + seq_len
-        key_pos = np.arange(n_keys)
-        causal = key_pos[None, :] <= positions[:, None]  # (S, n_keys)
         for h in range(num_heads):
+            layout_mask = mask_blocks[h % num_layout]
             kv = h // group
-            layout = h % num_layout
-            selected = mask_blocks[layout][positions[:, None] // sparse_block_size, key_pos[None, :] // sparse_block_size]
-            visible = causal & selected
-            keys = present_key[b, kv, :n_keys]
-            values = present_value[b, kv, :n_keys]
-            scores = (q_rows[h] @ keys.T) * scale
-            scores = np.where(visible, scores, -np.inf)
-            row_max = scores.max(axis=1, keepdims=True)
-            seen = np.isfinite(row_max[:, 0])
-            weights = np.where(visible, np.exp(scores - np.where(seen[:, None], row_max, 0.0)), 0.0)
-            # A query that sees no key averages V over its whole causal history.
-            weights[~seen] = causal[~seen].astype(np.float64)
-            weights /= weights.sum(axis=1, keepdims=True)
-            output[b, :, h] = weights @ values
+            keys, values = present_key[b, kv, :n_keys], present_value[b, kv, :n_keys]
+            output[b, :, h] = attend(q_rows[h], keys, values, positions, layout_mask, sparse_block_size, scale)
     return output.reshape(batch, seq_len, num_heads * head_size), present_key, present_value

@@ -17,10 +17,11 @@ _REGISTERED_MARK = "sparse_attention_op.custom_ops_registered"
 
 
 def _release_session_state(token: str) -> None:
+    """Finaliser of a session: queue its nodes' GPU state for freeing (never blocks)."""
     from .webgpu import executor as executor_module
 
     if executor_module._executor is not None:
-        executor_module._executor.release(token + "/")
+        executor_module._executor.release_later(token + "/")
 
 
 def session_options(sess_options: ort.SessionOptions | None = None) -> ort.SessionOptions:

@@ -188,7 +188,7 @@ def test_one_session_from_several_threads(executor, rng):
         except Exception as error:  # collected: pytest does not see thread exceptions
             failures.append(error)
 
-    threads = [threading.Thread(target=worker, args=(inputs,)) for inputs in cases]
+    threads = [threading.Thread(target=worker, args=(inputs,), daemon=True) for inputs in cases]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -222,7 +222,7 @@ def test_thread_errors_stay_with_their_thread(executor, rng):
                 errors += 1
         results["bad"] = errors
 
-    threads = [threading.Thread(target=good_worker), threading.Thread(target=bad_worker)]
+    threads = [threading.Thread(target=good_worker, daemon=True), threading.Thread(target=bad_worker, daemon=True)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -241,6 +241,25 @@ def test_session_state_is_freed_with_the_session(executor, rng):
     del session
     gc.collect()
     assert not any(key.startswith(token) for key in get_executor().node_keys())
+
+
+@pytest.mark.gpu
+def test_finaliser_never_blocks_on_a_call_in_flight(executor, rng):
+    # The garbage collector may finalise a session while another call holds the executor's
+    # lock (seen as a deadlock once): the finaliser must only queue the release.
+    from sparse_attention_op.session import _release_session_state
+
+    config = CaseConfig(seq_len=2)
+    model, inputs = model_and_inputs(config, rng)
+    session = sao.create_session(model)
+    session.run(None, graph_feeds(session, inputs))
+    token = session.sparse_attention_token
+    done = threading.Event()
+    with executor._lock:  # a call in flight
+        finaliser = threading.Thread(target=lambda: (_release_session_state(token), done.set()), daemon=True)
+        finaliser.start()
+        assert done.wait(timeout=10), "the finaliser blocked on the executor lock"
+    assert not any(key.startswith(token) for key in executor.node_keys())
 
 
 @pytest.mark.gpu

@@ -13,6 +13,7 @@ to be driven from several threads at once.
 
 from __future__ import annotations
 
+import collections
 import threading
 from dataclasses import dataclass
 
@@ -59,6 +60,15 @@ class WebGPUExecutor:
         self.plans = BlockPlanCache()
         self._nodes: dict[str, NodeRuntime] = {}
         self._lock = threading.Lock()
+        # Sessions are finalised by the garbage collector, which can run anywhere, also
+        # inside a call holding the lock: finalisers only queue their prefix here (deque
+        # appends are atomic) and the next locked operation frees the state.
+        self._release_queue: collections.deque[str] = collections.deque()
+        #: Benchmarks set this to time the compute work of each call with GPU timestamps
+        #: (where the adapter has them); the result lands in ``last_gpu_seconds``.
+        self.profile = False
+        self.last_gpu_seconds: float | None = None
+        self._timestamps = None
 
     # -- public -----------------------------------------------------------------------
     def run(
@@ -77,22 +87,36 @@ class WebGPUExecutor:
         passes = self._passes(call)
         plan = self.plans.get(call.tensors["block_row_indices"], call.tensors["block_col_indices"])
         with self._lock:
+            self._drain_releases()
             node = self._node(node_key)
             output, new_key = self._execute(call, node, plan, passes)
             node.calls += 1
         return (output,) + self._presents(call, new_key, present_out)
 
-    def release(self, node_key_prefix: str) -> int:
-        """Free the GPU state of every node whose key starts with the prefix (a session's)."""
+    def release_later(self, node_key_prefix: str) -> None:
+        """Queue the GPU state of every node whose key starts with the prefix for freeing.
+
+        Safe from a finaliser: it never blocks. The state goes at the next call, or at
+        :meth:`release` or :meth:`node_keys`.
+        """
+        self._release_queue.append(node_key_prefix)
+
+    def release(self, node_key_prefix: str) -> None:
+        """Free the GPU state of every node whose key starts with the prefix (a session's) now."""
+        self._release_queue.append(node_key_prefix)
         with self._lock:
-            keys = [k for k in self._nodes if k.startswith(node_key_prefix)]
-            for key in keys:
-                self._nodes.pop(key).buffers.release()
-        return len(keys)
+            self._drain_releases()
 
     def node_keys(self) -> list[str]:
         with self._lock:
+            self._drain_releases()
             return list(self._nodes)
+
+    def _drain_releases(self) -> None:
+        while self._release_queue:
+            prefix = self._release_queue.popleft()
+            for key in [k for k in self._nodes if k.startswith(prefix)]:
+                self._nodes.pop(key).buffers.release()
 
     # -- steps ------------------------------------------------------------------------
     def _node(self, node_key: str) -> NodeRuntime:
@@ -165,7 +189,8 @@ class WebGPUExecutor:
 
         encoder = device.create_command_encoder()
         upload.encode(encoder)
-        compute = encoder.begin_compute_pass()
+        timing = self._timestamp_writes()
+        compute = encoder.begin_compute_pass(timestamp_writes=timing)
         for gpu_pass in passes:
             self._dispatch(compute, gpu_pass, bound, buffers)
         compute.end()
@@ -173,10 +198,28 @@ class WebGPUExecutor:
         download.add("output", bound["output"], output.nbytes)
         if new_key is not None:
             download.add("new_key", bound["new_key"], new_key.nbytes)
+        ticks = None
+        if timing is not None:
+            query_set, resolved = self._timestamps
+            encoder.resolve_query_set(query_set, 0, 2, resolved, 0)
+            ticks = np.zeros(2, dtype=np.uint64)
+            download.add("timestamps", resolved, ticks.nbytes)
         download.encode(encoder)
         device.queue.submit([encoder.finish()])
-        download.read_into({"output": output, "new_key": new_key})
+        download.read_into({"output": output, "new_key": new_key, "timestamps": ticks})
+        # WebGPU timestamps are nanoseconds.
+        self.last_gpu_seconds = None if ticks is None else float(ticks[1] - ticks[0]) * 1e-9
         return output, new_key
+
+    def _timestamp_writes(self):
+        if not self.profile or "timestamp-query" not in self.context.features:
+            return None
+        if self._timestamps is None:
+            device = self.context.device
+            query_set = device.create_query_set(type=wgpu.QueryType.timestamp, count=2)
+            resolved = device.create_buffer(size=16, usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC)
+            self._timestamps = (query_set, resolved)
+        return {"query_set": self._timestamps[0], "beginning_of_pass_write_index": 0, "end_of_pass_write_index": 1}
 
     def _dispatch(self, compute, gpu_pass: Pass, bound: dict, buffers: BufferSet) -> None:
         compiled = self.pipelines.get(gpu_pass.program)
