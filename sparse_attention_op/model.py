@@ -3,9 +3,11 @@
 The PyOp bridge requires every declared input and attribute on the node (DESIGN.md
 section 2), so each SparseAttention node gets: explicit values for its optional
 attributes, an empty placeholder tensor in every absent optional input slot, and a
-unique identity (``sao_node_key``) that keys its GPU state. Model-level faults (bad
-attributes, inconsistent optional inputs) are refused here, naming the node. Other nodes
-are left alone.
+unique identity (``sao_node_key``) that keys its GPU state. The bridge cannot carry
+float16 either, so a float16 node is wrapped in Casts: its float16 inputs are cast to
+float32 in front of it and its outputs back to float16 behind it, and the graph keeps its
+float16 interface. Model-level faults (bad attributes, inconsistent optional inputs,
+unsupported types) are refused here, naming the node. Other nodes are left alone.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Union
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from .bridge import NODE_KEY_ATTRIBUTE
 from .spec import DOMAIN, INPUT_NAMES, OP_TYPE, OpAttributes, SparseAttentionError
@@ -29,6 +31,10 @@ ModelLike = Union[str, os.PathLike, bytes, onnx.ModelProto]
 #: cos/sin without rotary). The spec module reads an empty optional input as absent.
 ABSENT_FLOAT = "sao_absent_float"
 _OPTIONAL = {"key", "value", "cos_cache", "sin_cache"}
+_FLOAT_SLOTS = [i for i, name in enumerate(INPUT_NAMES) if name in ("query", "key", "value", "past_key", "past_value", "cos_cache", "sin_cache")]
+_INT_SLOTS = [i for i, name in enumerate(INPUT_NAMES) if i not in _FLOAT_SLOTS]
+#: Suffix of the float32 tensors between a float16 node's Casts.
+FLOAT32_SUFFIX = "_sao_f32"
 
 
 def load_model(model: ModelLike) -> onnx.ModelProto:
@@ -69,14 +75,20 @@ def prepare_model(model: ModelLike, *, session_token: str | None = None) -> onnx
     """
     prepared = load_model(model)
     token = session_token or uuid.uuid4().hex
+    types = tensor_types(prepared)
     count = 0
     placeholder_needed = False
     for graph in _iter_graphs(prepared.graph):
+        nodes = []
         for node in graph.node:
             if not is_sparse_attention(node):
+                nodes.append(node)
                 continue
             placeholder_needed |= _normalise_node(node, f"{token}/{count}:{node.name}")
+            nodes.extend(_compute_in_float32(node, types))
             count += 1
+        del graph.node[:]
+        graph.node.extend(nodes)
     if placeholder_needed and not any(init.name == ABSENT_FLOAT for init in prepared.graph.initializer):
         prepared.graph.initializer.append(numpy_helper.from_array(np.zeros((0,), np.float32), ABSENT_FLOAT))
     if count and not any(op.domain == DOMAIN for op in prepared.opset_import):
@@ -128,3 +140,52 @@ def _normalise_node(node: onnx.NodeProto, node_key: str) -> bool:
     return used_placeholder
 
 
+
+
+def tensor_types(model: onnx.ModelProto) -> dict[str, int]:
+    """Element type of every tensor of the main graph whose type ONNX can infer."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # inference is a convenience: fall back to what the graph declares
+        inferred = model
+    graph = inferred.graph
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in [*graph.input, *graph.value_info, *graph.output]}
+    types.update({init.name: init.data_type for init in graph.initializer})
+    for node in graph.node:
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+            types[node.output[0]] = node.attribute[0].t.data_type
+    return {name: t for name, t in types.items() if t != TensorProto.UNDEFINED}
+
+
+def _compute_in_float32(node: onnx.NodeProto, types: dict[str, int]) -> list[onnx.NodeProto]:
+    """The node, wrapped in Casts when its float inputs are float16 (else just the node)."""
+    label = f"SparseAttention node '{node.name}'"
+    for slot in _FLOAT_SLOTS:
+        elem = types.get(node.input[slot], TensorProto.FLOAT)
+        if node.input[slot] != ABSENT_FLOAT and elem not in (TensorProto.FLOAT, TensorProto.FLOAT16):
+            raise SparseAttentionError(
+                f"{label}: input '{INPUT_NAMES[slot]}' is {TensorProto.DataType.Name(elem)}; float32 and float16 are supported"
+            )
+    for slot in _INT_SLOTS:
+        elem = types.get(node.input[slot], TensorProto.INT32)
+        if elem != TensorProto.INT32:
+            raise SparseAttentionError(f"{label}: input '{INPUT_NAMES[slot]}' must be int32, got {TensorProto.DataType.Name(elem)}")
+    half = [slot for slot in _FLOAT_SLOTS if types.get(node.input[slot]) == TensorProto.FLOAT16]
+    if not half:
+        return [node]
+    if types.get(node.input[0]) != TensorProto.FLOAT16:
+        raise SparseAttentionError(f"{label}: float16 inputs need a float16 query (the operator has one type T)")
+    before = []
+    for slot in half:
+        source = node.input[slot]
+        cast_name = f"{source}{FLOAT32_SUFFIX}_{node.name or 'node'}"
+        before.append(helper.make_node("Cast", [source], [cast_name], to=TensorProto.FLOAT, name=f"{cast_name}_cast"))
+        node.input[slot] = cast_name
+    after = []
+    for index, output in enumerate(node.output):
+        if not output:
+            continue
+        float32_name = f"{output}{FLOAT32_SUFFIX}"
+        node.output[index] = float32_name
+        after.append(helper.make_node("Cast", [float32_name], [output], to=TensorProto.FLOAT16, name=f"{output}_to_float16"))
+    return before + [node] + after

@@ -204,14 +204,12 @@ def build_call(inputs: Sequence[np.ndarray] | Mapping[str, np.ndarray], attribut
         if hidden % nh:
             _fail("query", f"hidden size {hidden} must be a multiple of num_heads = {nh}")
         head_size = hidden // nh
+    _check_head_size(head_size)
+    if not packed:
         for name in ("key", "value"):
             expected = (batch, seq_len, nkv * head_size)
             if tensors[name].shape != expected:
                 _fail(name, f"must have shape (batch, sequence, kv_num_heads * head_size) = {expected}, got {tensors[name].shape}")
-    if head_size % 8 or head_size == 0:
-        _fail("query", f"head_size must be a positive multiple of 8, got {head_size}")
-    if head_size > 256:
-        _fail("query", f"head_size above 256 is not supported, got {head_size}")
 
     past_key = tensors["past_key"]
     if past_key.ndim != 4:
@@ -282,6 +280,15 @@ def build_call(inputs: Sequence[np.ndarray] | Mapping[str, np.ndarray], attribut
         rotary_dim=rotary_dim,
         tensors={name: (None if t is None else _readonly(t)) for name, t in tensors.items()},
     )
+
+
+def _check_head_size(head_size: int) -> None:
+    if head_size % 8 or head_size == 0:
+        _fail("query", f"head_size must be a positive multiple of 8, got {head_size}")
+    if head_size > 256:
+        # The attention pass stages a tile of queries in workgroup memory; 256 is the
+        # largest head that fits every adapter's 16 KiB minimum with room to spare.
+        _fail("query", f"head_size above 256 is not supported, got {head_size}")
 
 
 def _collect(inputs) -> dict[str, np.ndarray | None]:
