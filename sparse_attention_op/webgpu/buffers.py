@@ -79,6 +79,11 @@ class Upload:
         self._items.append((array, destination, destination_offset))
         self._size += _aligned(array.nbytes)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of host data this upload moves."""
+        return sum(array.nbytes for array, _, _ in self._items)
+
     def encode(self, encoder) -> None:
         if not self._items:
             return

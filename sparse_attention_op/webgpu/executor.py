@@ -1,21 +1,23 @@
 """Runs validated SparseAttention calls on the GPU.
 
-One call is one submit: a single mapped upload, the KV-append pass, the attention pass
-and a single mapped read-back of what the host needs (the output, plus the rotated new
-key rows when rotary is on). ``present_key``/``present_value`` are built on the host from
-the incoming past plus the new rows, never read back from the GPU whole.
+One call is one submit: a single mapped upload (the new tokens, the history rows the
+resident cache lacks, changed layout or rotary rows, the uniforms), the KV-append pass,
+the attention pass and a single mapped read-back of what the host needs (the output, plus
+the rotated new key rows when rotary is on). ``present_key``/``present_value`` are built on
+the host from the incoming past plus the new rows, never read back from the GPU whole.
 
-State per node (keyed by the identity ``prepare_model`` stamps) is only its buffers: they
-are reused across calls and freed with the session. All GPU work of the process goes
-through one lock: the device and queue are one resource, and wgpu objects are not meant
-to be driven from several threads at once.
+State per node (keyed by the identity ``prepare_model`` stamps): its resident KV cache
+(kv_cache.py) and its other buffers, reused across calls and freed with the session. All
+GPU work of the process goes through one lock: the device and queue are one resource, and
+wgpu objects are not meant to be driven from several threads at once.
 """
 
 from __future__ import annotations
 
 import collections
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import wgpu
@@ -25,11 +27,16 @@ from ..spec import SparseAttentionCall, SparseAttentionError
 from .buffers import BufferSet, Download, Upload
 from .device import GpuContext, get_context
 from .kernels import MAX_WORKGROUPS_PER_DIM, Pass, attention_pass, choose_tiling, kv_append_pass
+from .kv_cache import ResidentCache, SyncStats
 from .programs import PipelineCache
 
 _STORAGE_IN = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_DST
 _STORAGE_OUT = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC
-_STORAGE_IO = _STORAGE_IN | wgpu.BufferUsage.COPY_SRC
+_UNIFORM = wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST
+
+
+class GpuExecutionError(RuntimeError):
+    """The GPU failed a call (device lost, out of memory, driver error); the node is reset."""
 
 
 @dataclass
@@ -37,9 +44,29 @@ class NodeRuntime:
     """GPU state of one SparseAttention node of one session."""
 
     buffers: BufferSet
+    cache: ResidentCache | None = None
     uploaded_plan: BlockPlan | None = None  # the plan the block_plan buffer holds now
     plan_buffer: object = None  # ... and the buffer it was uploaded into
     calls: int = 0
+
+    def release(self) -> None:
+        self.buffers.release()
+        if self.cache is not None:
+            self.cache.release()
+            self.cache = None
+
+    def gpu_bytes(self) -> int:
+        return self.buffers.total_bytes() + (self.cache.nbytes if self.cache is not None else 0)
+
+
+@dataclass
+class CallStats:
+    """What the last call did: for tests (upload volume) and benchmarks (times)."""
+
+    seconds: float = 0.0
+    gpu_seconds: float | None = None
+    upload_bytes: int = 0
+    cache: SyncStats = field(default_factory=SyncStats)
 
 
 def _new_rows(call: SparseAttentionCall, which: str) -> np.ndarray:
@@ -65,9 +92,9 @@ class WebGPUExecutor:
         # appends are atomic) and the next locked operation frees the state.
         self._release_queue: collections.deque[str] = collections.deque()
         #: Benchmarks set this to time the compute work of each call with GPU timestamps
-        #: (where the adapter has them); the result lands in ``last_gpu_seconds``.
+        #: (where the adapter has them); the result lands in ``last_stats.gpu_seconds``.
         self.profile = False
-        self.last_gpu_seconds: float | None = None
+        self.last_stats = CallStats()
         self._timestamps = None
 
     # -- public -----------------------------------------------------------------------
@@ -80,18 +107,37 @@ class WebGPUExecutor:
         """Execute one call; returns (output, present_key, present_value) as float32.
 
         ``present_out`` may hold two writable arrays that already contain past_key and
-        past_value (the bridge passes its own fresh copies): the new rows are written into
-        them in place and they are returned, saving a copy of the whole cache.
+        past_value and that nobody else will write (the bridge passes its own fresh copies):
+        the new rows are written into them in place, they are returned, and the node keeps
+        them as its record of what the GPU cache holds. Without it the executor allocates
+        the presents and keeps private copies for that record.
         """
         self._check_limits(call)
         passes = self._passes(call)
         plan = self.plans.get(call.tensors["block_row_indices"], call.tensors["block_col_indices"])
+        start = time.perf_counter()
         with self._lock:
             self._drain_releases()
-            node = self._node(node_key)
-            output, new_key = self._execute(call, node, plan, passes)
+            try:
+                node = self._node(node_key, call)
+                output, new_key, stats = self._execute(call, node, plan, passes)
+            except Exception as error:
+                # Whatever the GPU holds for this node is unknown now: start it afresh.
+                failed = self._nodes.pop(node_key, None)
+                if failed is not None:
+                    failed.release()
+                raise GpuExecutionError(f"SparseAttention failed on {self.context.description}: {error}") from error
+            presents = self._presents(call, new_key, present_out)
+            record = presents if present_out is not None else tuple(p.copy() for p in presents)
+            node.cache.commit(call, *record)
             node.calls += 1
-        return (output,) + self._presents(call, new_key, present_out)
+        stats.seconds = time.perf_counter() - start
+        self.last_stats = stats
+        return (output,) + presents
+
+    @property
+    def last_gpu_seconds(self) -> float | None:
+        return self.last_stats.gpu_seconds
 
     def release_later(self, node_key_prefix: str) -> None:
         """Queue the GPU state of every node whose key starts with the prefix for freeing.
@@ -112,18 +158,28 @@ class WebGPUExecutor:
             self._drain_releases()
             return list(self._nodes)
 
+    def gpu_bytes(self) -> int:
+        """Bytes of GPU memory held for all nodes (the soak benchmark watches it stay flat)."""
+        with self._lock:
+            return sum(node.gpu_bytes() for node in self._nodes.values())
+
+    # -- steps ------------------------------------------------------------------------
     def _drain_releases(self) -> None:
         while self._release_queue:
             prefix = self._release_queue.popleft()
             for key in [k for k in self._nodes if k.startswith(prefix)]:
-                self._nodes.pop(key).buffers.release()
+                self._nodes.pop(key).release()
 
-    # -- steps ------------------------------------------------------------------------
-    def _node(self, node_key: str) -> NodeRuntime:
+    def _node(self, node_key: str, call: SparseAttentionCall) -> NodeRuntime:
         node = self._nodes.get(node_key)
         if node is None:
             node = NodeRuntime(BufferSet(self.context.device, self.context.max_binding_bytes))
             self._nodes[node_key] = node
+        if node.cache is None or node.cache.shape != call.cache_shape:
+            # A new cache shape is a new cache: nothing of the old one carries over.
+            if node.cache is not None:
+                node.cache.release()
+            node.cache = ResidentCache(self.context.device, call.cache_shape)
         return node
 
     def _passes(self, call: SparseAttentionCall) -> tuple[Pass, Pass]:
@@ -147,19 +203,19 @@ class WebGPUExecutor:
         if -(-call.seq_len // 4) > MAX_WORKGROUPS_PER_DIM or attrs.num_heads > MAX_WORKGROUPS_PER_DIM or call.batch_size > MAX_WORKGROUPS_PER_DIM:
             raise SparseAttentionError("SparseAttention input 'query': batch, heads or sequence exceed the GPU's dispatch limits")
 
-    def _execute(self, call: SparseAttentionCall, node: NodeRuntime, plan: BlockPlan, passes) -> tuple[np.ndarray, np.ndarray | None]:
+    def _execute(self, call: SparseAttentionCall, node: NodeRuntime, plan: BlockPlan, passes):
         device, t = self.context.device, call.tensors
         buffers = node.buffers
         attrs = call.attributes
-        cache_bytes = int(np.prod(call.cache_shape)) * 4
         output = np.empty(call.output_shape, dtype=np.float32)
         new_key = None
 
         upload = Upload(buffers)
+        cache_stats = node.cache.sync(call, upload)
         bound = {
             "query": buffers.get("query", t["query"].nbytes, _STORAGE_IN),
-            "key_cache": buffers.get("key_cache", cache_bytes, _STORAGE_IO),
-            "value_cache": buffers.get("value_cache", cache_bytes, _STORAGE_IO),
+            "key_cache": node.cache.key,
+            "value_cache": node.cache.value,
             "row_past": buffers.get("row_past", call.batch_size * 4, _STORAGE_IN),
             "block_plan": buffers.get("block_plan", plan.nbytes, _STORAGE_IN),
             "output": buffers.get("output", output.nbytes, _STORAGE_OUT),
@@ -171,9 +227,6 @@ class WebGPUExecutor:
             for name in ("key", "value"):
                 bound[f"{name}_source"] = buffers.get(name, t[name].nbytes, _STORAGE_IN)
                 upload.add(t[name], bound[f"{name}_source"])
-        # This issue's cache is uploaded whole on every call; only the new rows change on GPU.
-        upload.add(t["past_key"], bound["key_cache"])
-        upload.add(t["past_value"], bound["value_cache"])
         upload.add(np.asarray(call.past_lengths, dtype=np.uint32), bound["row_past"])
         # Layouts rarely change: the plan cache hands back the same object for the same
         # layout, so identity says whether the GPU copy is current.
@@ -181,18 +234,20 @@ class WebGPUExecutor:
             upload.add(plan.words, bound["block_plan"])
             node.uploaded_plan, node.plan_buffer = plan, bound["block_plan"]
         if attrs.do_rotary:
-            for name in ("cos_cache", "sin_cache"):
-                bound[name] = buffers.get(name, t[name].nbytes, _STORAGE_IN)
-                upload.add(t[name], bound[name])
+            self._upload_rotary_rows(call, buffers, upload, bound)
             new_key = np.empty((call.batch_size, attrs.kv_num_heads, call.seq_len, call.head_size), dtype=np.float32)
             bound["new_key"] = buffers.get("new_key", new_key.nbytes, _STORAGE_OUT)
+        for gpu_pass in passes:
+            words = gpu_pass.program.pack_uniforms(gpu_pass.uniforms)
+            bound[f"uniforms:{gpu_pass.program.template}"] = uniform = buffers.get(f"uniforms:{gpu_pass.program.template}", words.nbytes, _UNIFORM)
+            upload.add(words, uniform)
 
         encoder = device.create_command_encoder()
         upload.encode(encoder)
         timing = self._timestamp_writes()
         compute = encoder.begin_compute_pass(timestamp_writes=timing)
         for gpu_pass in passes:
-            self._dispatch(compute, gpu_pass, bound, buffers)
+            self._dispatch(compute, gpu_pass, bound)
         compute.end()
         download = Download(buffers)
         download.add("output", bound["output"], output.nbytes)
@@ -207,9 +262,21 @@ class WebGPUExecutor:
         download.encode(encoder)
         device.queue.submit([encoder.finish()])
         download.read_into({"output": output, "new_key": new_key, "timestamps": ticks})
-        # WebGPU timestamps are nanoseconds.
-        self.last_gpu_seconds = None if ticks is None else float(ticks[1] - ticks[0]) * 1e-9
-        return output, new_key
+        stats = CallStats(
+            gpu_seconds=None if ticks is None else float(ticks[1] - ticks[0]) * 1e-9,  # WebGPU timestamps are ns
+            upload_bytes=upload.nbytes,
+            cache=cache_stats,
+        )
+        return output, new_key, stats
+
+    def _upload_rotary_rows(self, call: SparseAttentionCall, buffers: BufferSet, upload: Upload, bound: dict) -> None:
+        """Only the cos/sin rows of this call's positions: the kernels read no others."""
+        first = min(call.past_lengths)
+        end = max(call.past_lengths) + call.seq_len
+        for name in ("cos_cache", "sin_cache"):
+            table = call.tensors[name]
+            bound[name] = buffers.get(name, table.nbytes, _STORAGE_IN)
+            upload.add(table[first:end], bound[name], first * table.shape[1] * 4)
 
     def _timestamp_writes(self):
         if not self.profile or "timestamp-query" not in self.context.features:
@@ -221,14 +288,9 @@ class WebGPUExecutor:
             self._timestamps = (query_set, resolved)
         return {"query_set": self._timestamps[0], "beginning_of_pass_write_index": 0, "end_of_pass_write_index": 1}
 
-    def _dispatch(self, compute, gpu_pass: Pass, bound: dict, buffers: BufferSet) -> None:
+    def _dispatch(self, compute, gpu_pass: Pass, bound: dict) -> None:
         compiled = self.pipelines.get(gpu_pass.program)
-        uniform_words = gpu_pass.program.pack_uniforms(gpu_pass.uniforms)
-        name = f"uniforms:{gpu_pass.program.template}"
-        uniform_buffer = buffers.get(name, uniform_words.nbytes, wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST)
-        # Uniforms are tiny; write_buffer is ordered before the submit that uses them.
-        self.context.device.queue.write_buffer(uniform_buffer, 0, uniform_words)
-        entries = [{"binding": 0, "resource": {"buffer": uniform_buffer, "offset": 0, "size": uniform_words.nbytes}}]
+        entries = [{"binding": 0, "resource": {"buffer": bound[f"uniforms:{gpu_pass.program.template}"], "offset": 0}}]
         for index, binding in enumerate(gpu_pass.program.bindings, start=1):
             entries.append({"binding": index, "resource": {"buffer": bound[binding.name], "offset": 0}})
         bind_group = self.context.device.create_bind_group(layout=compiled.bind_group_layout, entries=entries)
