@@ -66,8 +66,10 @@ class CallErrors:
 
 call_errors = CallErrors()
 
-_register_lock = threading.Lock()
+_register_lock = threading.RLock()  # register() holds it while registering
 _opdef = None
+#: PyOps whose outputs take the array path (by the id onnxruntime-extensions gives them).
+_array_ops: dict = {}
 
 
 def session_token(node_key: str) -> str:
@@ -96,12 +98,13 @@ def _poisoned_outputs(inputs) -> tuple[np.ndarray, ...]:
 
 
 def _invoke(k_id, feed, attributes):
-    """Hook for every PyOp of the process; ours returns arrays, others go to the stock hook."""
-    if _opdef is None or k_id != _opdef._id:
+    """Hook for every PyOp of the process; ours return arrays, others go to the stock hook."""
+    opdef = _array_ops.get(k_id)
+    if opdef is None:
         return _ocos._on_pyop_invocation(k_id, feed, attributes)
     node_key = str(attributes.get(NODE_KEY_ATTRIBUTE, ""))
     try:
-        outputs = _sparse_attention(*feed, **_opdef.cast_attributes(attributes))
+        outputs = opdef.body(*feed, **opdef.cast_attributes(attributes))
     except BaseException as error:  # noqa: BLE001 - anything escaping here aborts the process
         log.debug("SparseAttention node %s refused a call: %s", node_key, error)
         call_errors.record(session_token(node_key), error)
@@ -113,19 +116,27 @@ def _invoke(k_id, feed, attributes):
     return tuple(result)
 
 
+def register_array_op(function, **declaration):
+    """Register a PyOp (``onnx_op`` arguments) whose float32 outputs cross as numpy arrays.
+
+    SparseAttention is one; the decode benchmark registers a pass-through op to measure
+    what the bridge's own copies cost.
+    """
+    with _register_lock:
+        opdef = onnx_op(**declaration)(function)
+        _array_ops[opdef._id] = opdef
+        PyCustomOpDef.install_hooker(_invoke)
+        return opdef
+
+
 def register() -> None:
     """Register com.microsoft::SparseAttention with onnxruntime-extensions (idempotent)."""
     global _opdef
     with _register_lock:
-        if _opdef is not None:
-            return
-        _opdef = onnx_op(
-            op_type=f"{DOMAIN}::{OP_TYPE}",
-            inputs=_INPUT_TYPES,
-            outputs=[_F, _F, _F],
-            attrs=_ATTRIBUTE_TYPES,
-        )(_sparse_attention)
-        PyCustomOpDef.install_hooker(_invoke)
+        if _opdef is None:
+            _opdef = register_array_op(
+                _sparse_attention, op_type=f"{DOMAIN}::{OP_TYPE}", inputs=_INPUT_TYPES, outputs=[_F, _F, _F], attrs=_ATTRIBUTE_TYPES
+            )
 
 
 def is_registered() -> bool:
