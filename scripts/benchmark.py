@@ -131,6 +131,8 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--ort", action="store_true", help="also time ONNX Runtime's CPU kernel")
     parser.add_argument("--torch", action="store_true", help="also time torch dense causal SDPA (CUDA, fp32)")
+    parser.add_argument("--query-rotary", choices=["fused", "pass", "both"], default="fused",
+                        help="rotate queries inside the attention pass, in a pass of their own, or time both")
     parser.add_argument("--json", type=str, default=None)
     args = parser.parse_args()
 
@@ -142,8 +144,10 @@ def main() -> int:
     print("| case | WebGPU call ms | GPU ms | copy floor ms | ORT CPU ms | torch SDPA ms | max err |")
     print("|---|---|---|---|---|---|---|")
     rows = []
-    cases = [("prefill", s, None) for s in args.prefill] + [("decode", 1, past) for past in args.decode]
-    for kind, seq_len, past in cases:
+    variants = ["fused", "pass"] if args.query_rotary == "both" else [args.query_rotary]
+    cases = [(kind, s, past, v) for v in variants for kind, s, past in [("prefill", s, None) for s in args.prefill] + [("decode", 1, p) for p in args.decode]]
+    for kind, seq_len, past, variant in cases:
+        executor.fuse_query_rotary = variant == "fused"
         capacity = seq_len if kind == "prefill" else args.capacity
         config = CaseConfig(seq_len=seq_len, max_cache_len=capacity, past_lengths=None if past is None else (past,), **PHI3_SMALL)
         inputs = random_inputs(config, rng)
@@ -161,7 +165,8 @@ def main() -> int:
         floor = identity_floor(inputs, args.reps) if kind == "decode" else None
         ort_s = ort_cpu_seconds(config, inputs, max(1, args.reps // 2)) if args.ort else None
         torch_s = torch_sdpa_seconds(config, args.reps) if args.torch and kind == "prefill" else None
-        row = dict(case=f"{kind} {seq_len if kind == 'prefill' else f'at {past}'}", webgpu_ms=wall * 1e3, gpu_ms=None if gpu is None else gpu * 1e3,
+        label = f"{kind} {seq_len if kind == 'prefill' else f'at {past}'}" + (f" (q rotary: {variant})" if len(variants) > 1 else "")
+        row = dict(case=label, webgpu_ms=wall * 1e3, gpu_ms=None if gpu is None else gpu * 1e3,
                    copy_floor_ms=None if floor is None else floor * 1e3, ort_cpu_ms=None if ort_s is None else ort_s * 1e3,
                    torch_sdpa_ms=None if torch_s is None else torch_s * 1e3, max_error=error)
         rows.append(row)

@@ -12,8 +12,10 @@ from .bridge import register
 from .model import prepare_model
 from .session import SparseAttentionSession, create_session
 from .spec import SparseAttentionError, SparseAttentionInputError
+from .webgpu.executor import GpuExecutionError
 
 __all__ = [
+    "GpuExecutionError",
     "SparseAttentionError",
     "SparseAttentionInputError",
     "SparseAttentionSession",

@@ -128,3 +128,14 @@ def test_unit_scale_inputs_give_peaked_softmax(rng):
     uniform_inputs = dict(inputs, query=inputs["query"] * 1e-4)
     out_small, _, _ = sparse_attention_reference(**uniform_inputs, **config.node_attributes())
     assert np.abs(out - out_small).max() > 0.1
+
+
+@pytest.mark.parametrize("interleaved,rotary_dim", [(False, None), (True, 16)])
+def test_unfused_query_rotary_pass(executor, rng, interleaved, rotary_dim):
+    config = CaseConfig(seq_len=5, past_lengths=(7,), do_rotary=True, rotary_interleaved=interleaved, rotary_dim=rotary_dim, head_size=32, packed=interleaved)
+    executor.fuse_query_rotary = False
+    try:
+        check(executor, config, rng, node_key="unfused")
+        check(executor, dataclasses.replace(config, seq_len=1, past_lengths=(12,)), rng, node_key="unfused")
+    finally:
+        executor.fuse_query_rotary = True

@@ -137,3 +137,26 @@ def test_two_sessions_of_one_model_interleave_exactly(executor, rng):
     for _ in range(5):
         first.step()
         assert second.step().cache.rows_uploaded == 0
+
+
+def test_gpu_failure_raises_clearly_and_the_node_starts_afresh(executor, rng, monkeypatch):
+    from sparse_attention_op.webgpu import buffers
+    from sparse_attention_op.webgpu.executor import GpuExecutionError
+
+    sequence = Sequence(new_session(rng), rng)
+    sequence.step()
+    sequence.step()
+    pending = sequence.inputs
+
+    def lost(self, encoder):
+        raise RuntimeError("simulated device loss")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(buffers.Upload, "encode", lost)
+        with pytest.raises(GpuExecutionError, match="simulated device loss"):
+            sequence.session.run(None, graph_feeds(sequence.session, pending))
+    # The failed node's GPU state was dropped: the next call re-uploads the history and is exact.
+    sequence.inputs = pending
+    stats = sequence.step()
+    assert stats.cache.rows_uploaded > 0
+    assert sequence.step().cache.rows_uploaded == 0

@@ -26,7 +26,7 @@ from ..block_plan import BlockPlan, BlockPlanCache
 from ..spec import SparseAttentionCall, SparseAttentionError
 from .buffers import BufferSet, Download, Upload
 from .device import GpuContext, get_context
-from .kernels import MAX_WORKGROUPS_PER_DIM, Pass, attention_pass, choose_tiling, kv_append_pass
+from .kernels import MAX_WORKGROUPS_PER_DIM, Pass, attention_pass, choose_tiling, kv_append_pass, query_rotary_pass
 from .kv_cache import ResidentCache, SyncStats
 from .programs import PipelineCache
 
@@ -94,6 +94,8 @@ class WebGPUExecutor:
         #: Benchmarks set this to time the compute work of each call with GPU timestamps
         #: (where the adapter has them); the result lands in ``last_stats.gpu_seconds``.
         self.profile = False
+        #: Rotate queries inside the attention pass (default) or in a pass of their own.
+        self.fuse_query_rotary = True
         self.last_stats = CallStats()
         self._timestamps = None
 
@@ -182,9 +184,12 @@ class WebGPUExecutor:
             node.cache = ResidentCache(self.context.device, call.cache_shape)
         return node
 
-    def _passes(self, call: SparseAttentionCall) -> tuple[Pass, Pass]:
-        tiling = choose_tiling(call, self.context.workgroup_storage_bytes)
-        return kv_append_pass(call), attention_pass(call, tiling)
+    def _passes(self, call: SparseAttentionCall) -> list[Pass]:
+        tiling = choose_tiling(call, self.context.workgroup_storage_bytes, self.fuse_query_rotary)
+        passes = [kv_append_pass(call)]
+        if call.attributes.do_rotary and not tiling.fuse_query_rotary:
+            passes.append(query_rotary_pass(call))
+        return passes + [attention_pass(call, tiling)]
 
     def _check_limits(self, call: SparseAttentionCall) -> None:
         """Refuse, before any GPU work, a call whose buffers or dispatch the adapter cannot hold."""
@@ -237,6 +242,8 @@ class WebGPUExecutor:
             self._upload_rotary_rows(call, buffers, upload, bound)
             new_key = np.empty((call.batch_size, attrs.kv_num_heads, call.seq_len, call.head_size), dtype=np.float32)
             bound["new_key"] = buffers.get("new_key", new_key.nbytes, _STORAGE_OUT)
+        if any(binding.name == "q_rotated" for gpu_pass in passes for binding in gpu_pass.program.bindings):
+            bound["q_rotated"] = buffers.get("q_rotated", int(np.prod(call.output_shape)) * 4, wgpu.BufferUsage.STORAGE)
         for gpu_pass in passes:
             words = gpu_pass.program.pack_uniforms(gpu_pass.uniforms)
             bound[f"uniforms:{gpu_pass.program.template}"] = uniform = buffers.get(f"uniforms:{gpu_pass.program.template}", words.nbytes, _UNIFORM)

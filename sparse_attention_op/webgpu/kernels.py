@@ -7,6 +7,7 @@ head size, tiling and the rotary layout shape the code and so are constants.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..spec import SparseAttentionCall
@@ -22,6 +23,9 @@ class Tiling:
 
     workgroup_size: int
     q_tile: int
+    # Rotate queries while staging them in the attention pass (True), or in a pass of their
+    # own first. Fused saves a write and a read of every query; measured in BENCHMARKS.md.
+    fuse_query_rotary: bool = True
 
     def value_parts(self, head_size: int) -> int:
         return max(1, self.workgroup_size // (head_size // 4))
@@ -33,13 +37,13 @@ class Tiling:
         return shared + (qt * parts * head_vec * 16 if parts > 1 else 0)
 
 
-def choose_tiling(call: SparseAttentionCall, workgroup_storage_bytes: int) -> Tiling:
+def choose_tiling(call: SparseAttentionCall, workgroup_storage_bytes: int, fuse_query_rotary: bool = True) -> Tiling:
     """Decode has one query per head, so a query tile would only idle; prefill shares each
     K/V load between four queries (they span at most two block rows for blocks >= 4)."""
     q_tile = 1 if call.seq_len == 1 else min(4, call.seq_len)
-    tiling = Tiling(workgroup_size=64, q_tile=q_tile)
+    tiling = Tiling(workgroup_size=64, q_tile=q_tile, fuse_query_rotary=fuse_query_rotary)
     while tiling.q_tile > 1 and tiling.workgroup_bytes(call.head_size) > workgroup_storage_bytes:
-        tiling = Tiling(tiling.workgroup_size, tiling.q_tile // 2)
+        tiling = dataclasses.replace(tiling, q_tile=tiling.q_tile // 2)
     return tiling
 
 
@@ -50,13 +54,14 @@ class Pass:
     workgroups: tuple[int, int, int]
 
 
-def _rotary_constants(call: SparseAttentionCall) -> tuple:
-    rotary = call.attributes.do_rotary
+def _rotary_constants(call: SparseAttentionCall, rotary: bool | None = None) -> tuple:
+    rotary = call.attributes.do_rotary if rotary is None else rotary
     return (("rotary", rotary), ("rotary_interleaved", rotary and call.attributes.rotary_interleaved))
 
 
-def _rotary_bindings(call: SparseAttentionCall) -> tuple[Binding, ...]:
-    return (Binding("cos_cache", "f32"), Binding("sin_cache", "f32")) if call.attributes.do_rotary else ()
+def _rotary_bindings(call: SparseAttentionCall, rotary: bool | None = None) -> tuple[Binding, ...]:
+    rotary = call.attributes.do_rotary if rotary is None else rotary
+    return (Binding("cos_cache", "f32"), Binding("sin_cache", "f32")) if rotary else ()
 
 
 def _fold(groups: int) -> tuple[int, int, int]:
@@ -113,16 +118,33 @@ def kv_append_pass(call: SparseAttentionCall, workgroup_size: int = 256) -> Pass
     return Pass(program, uniforms, _fold(-(-count // workgroup_size)))
 
 
+def query_rotary_pass(call: SparseAttentionCall, workgroup_size: int = 256) -> Pass:
+    """Rotated query heads into the compact ``q_rotated`` buffer (the unfused variant)."""
+    attrs = call.attributes
+    head_vec = call.head_size // 4
+    program = Program(
+        template="q_rotary.wgsl.jinja",
+        bindings=(Binding("query", VEC4), Binding("row_past", "u32"), Binding("q_rotated", VEC4, writable=True)) + _rotary_bindings(call),
+        uniforms=(("count", "u32"), ("seq_len", "u32"), ("num_heads", "u32"), ("query_row_vec", "u32"), ("rotary_half", "u32")),
+        constants=(("head_size", call.head_size), ("workgroup_size", workgroup_size), ("rotary_interleaved", call.attributes.rotary_interleaved)),
+    )
+    count = call.batch_size * call.seq_len * attrs.num_heads * head_vec
+    uniforms = dict(count=count, seq_len=call.seq_len, num_heads=attrs.num_heads, query_row_vec=call.query_row_stride // 4, rotary_half=call.rotary_dim // 2)
+    return Pass(program, uniforms, _fold(-(-count // workgroup_size)))
+
+
 def attention_pass(call: SparseAttentionCall, tiling: Tiling) -> Pass:
     attrs = call.attributes
+    # With an unfused query rotary the pass reads the compact rotated queries instead.
+    prerotated = attrs.do_rotary and not tiling.fuse_query_rotary
     bindings = (
-        Binding("query", VEC4),
+        Binding("q_rotated" if prerotated else "query", VEC4),
         Binding("key_cache", VEC4),
         Binding("value_cache", VEC4),
         Binding("row_past", "u32"),
         Binding("block_plan", "u32"),
         Binding("output", VEC4, writable=True),
-    ) + _rotary_bindings(call)
+    ) + _rotary_bindings(call, attrs.do_rotary and not prerotated)
     program = Program(
         template="attention.wgsl.jinja",
         bindings=bindings,
@@ -143,8 +165,9 @@ def attention_pass(call: SparseAttentionCall, tiling: Tiling) -> Pass:
             ("workgroup_size", tiling.workgroup_size),
             ("q_tile", tiling.q_tile),
             ("value_parts", tiling.value_parts(call.head_size)),
+            ("query_binding", "q_rotated" if prerotated else "query"),
         )
-        + _rotary_constants(call),
+        + _rotary_constants(call, attrs.do_rotary and not prerotated),
     )
     uniforms = dict(
         seq_len=call.seq_len,
@@ -154,7 +177,7 @@ def attention_pass(call: SparseAttentionCall, tiling: Tiling) -> Pass:
         num_layout=call.num_layout,
         max_blocks=call.max_blocks,
         block_size=attrs.sparse_block_size,
-        query_row_vec=call.query_row_stride // 4,
+        query_row_vec=attrs.num_heads * call.head_size // 4 if prerotated else call.query_row_stride // 4,
         rotary_half=call.rotary_dim // 2,
         scale=call.scale,
     )
