@@ -25,6 +25,9 @@ from .spec import DOMAIN, INPUT_NAMES, OP_TYPE, OpAttributes, build_call
 
 #: Attribute prepare_model stamps on every node: "<session token>/<node identity>".
 NODE_KEY_ATTRIBUTE = "sao_node_key"
+#: Attribute prepare_model stamps on every node: "float16" when the graph keeps the node's
+#: tensors in float16 (and casts around it), else "float32".
+STORAGE_ATTRIBUTE = "sao_storage"
 
 _F, _I = PyCustomOpDef.dt_float, PyCustomOpDef.dt_int32
 _INPUT_TYPES = [_F, _F, _F, _F, _F, _I, _I, _I, _I, _F, _F]
@@ -36,6 +39,7 @@ _ATTRIBUTE_TYPES = {
     "do_rotary": PyCustomOpDef.dt_int64,
     "rotary_interleaved": PyCustomOpDef.dt_int64,
     NODE_KEY_ATTRIBUTE: PyCustomOpDef.dt_string,
+    STORAGE_ATTRIBUTE: PyCustomOpDef.dt_string,
 }
 assert len(_INPUT_TYPES) == len(INPUT_NAMES)
 
@@ -81,7 +85,8 @@ def _sparse_attention(*inputs, **attributes):
     from .webgpu import get_executor  # the GPU is touched on the first call, not at import
 
     node_key = attributes.pop(NODE_KEY_ATTRIBUTE, "")
-    call = build_call(inputs, OpAttributes.from_mapping(attributes))
+    float16_storage = attributes.pop(STORAGE_ATTRIBUTE, "float32") == "float16"
+    call = build_call(inputs, OpAttributes.from_mapping(attributes), float16_storage=float16_storage)
     # The bridge hands fresh copies of past_key/past_value: complete them in place.
     past_key, past_value = inputs[3], inputs[4]
     donate = past_key.flags.writeable and past_value.flags.writeable and past_key.flags.c_contiguous and past_value.flags.c_contiguous

@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .bridge import NODE_KEY_ATTRIBUTE
+from .bridge import NODE_KEY_ATTRIBUTE, STORAGE_ATTRIBUTE
 from .spec import DOMAIN, INPUT_NAMES, OP_TYPE, OpAttributes, SparseAttentionError
 
 ModelLike = Union[str, os.PathLike, bytes, onnx.ModelProto]
@@ -132,6 +132,7 @@ def _normalise_node(node: onnx.NodeProto, node_key: str) -> bool:
         "do_rotary": int(attributes.do_rotary),
         "rotary_interleaved": int(attributes.rotary_interleaved),
         NODE_KEY_ATTRIBUTE: node_key,
+        STORAGE_ATTRIBUTE: "float32",  # _compute_in_float32 marks float16 nodes
     }
     kept = [a for a in node.attribute if a.name not in explicit]
     del node.attribute[:]
@@ -175,6 +176,9 @@ def _compute_in_float32(node: onnx.NodeProto, types: dict[str, int]) -> list[onn
         return [node]
     if types.get(node.input[0]) != TensorProto.FLOAT16:
         raise SparseAttentionError(f"{label}: float16 inputs need a float16 query (the operator has one type T)")
+    for attribute in node.attribute:
+        if attribute.name == STORAGE_ATTRIBUTE:
+            attribute.s = b"float16"
     before = []
     for slot in half:
         source = node.input[slot]

@@ -148,6 +148,10 @@ class SparseAttentionCall:
     key_totals: tuple[int, ...]
     rotary_dim: int
     tensors: Mapping[str, np.ndarray] = field(repr=False, compare=False)
+    #: The graph keeps this node's tensors in float16 and casts around it (model.py):
+    #: values the op creates (rotated keys) are rounded to float16 values so that the
+    #: presents survive the cast to float16 and back unchanged.
+    float16_storage: bool = False
 
     @property
     def mode(self) -> str:
@@ -175,7 +179,9 @@ class SparseAttentionCall:
         return (self.batch_size, self.seq_len, self.attributes.num_heads * self.head_size)
 
 
-def build_call(inputs: Sequence[np.ndarray] | Mapping[str, np.ndarray], attributes: OpAttributes) -> SparseAttentionCall:
+def build_call(
+    inputs: Sequence[np.ndarray] | Mapping[str, np.ndarray], attributes: OpAttributes, *, float16_storage: bool = False
+) -> SparseAttentionCall:
     """Validate one call's inputs and describe it.
 
     ``inputs`` holds the eleven inputs in schema order (or a mapping by name); absent
@@ -279,6 +285,7 @@ def build_call(inputs: Sequence[np.ndarray] | Mapping[str, np.ndarray], attribut
         key_totals=key_totals,
         rotary_dim=rotary_dim,
         tensors={name: (None if t is None else _readonly(t)) for name, t in tensors.items()},
+        float16_storage=float16_storage,
     )
 
 

@@ -160,3 +160,21 @@ def test_gpu_failure_raises_clearly_and_the_node_starts_afresh(executor, rng, mo
     stats = sequence.step()
     assert stats.cache.rows_uploaded > 0
     assert sequence.step().cache.rows_uploaded == 0
+
+
+def test_float16_rotary_chain_needs_no_reupload(executor, rng):
+    # The graph casts presents to float16 and the next past back to float32: the op must
+    # produce float16 values for the rotated keys, or every step would re-upload history.
+    config = CaseConfig(batch=2, seq_len=5, num_heads=4, kv_num_heads=2, head_size=32, max_cache_len=24, do_rotary=True)
+    half = {k: (v.astype(np.float16) if v.dtype == np.float32 else v) for k, v in random_inputs(config, rng).items()}
+    session = sao.create_session(sparse_attention_model(config.node_attributes(), half, float_dtype=np.float16, constants=LAYOUT))
+    names = [i.name for i in session.get_inputs()]
+    outputs = session.run(None, {n: half[n] for n in names})
+    for step in range(4):
+        past = (outputs[1].astype(np.float32), outputs[2].astype(np.float32))
+        step_config = CaseConfig(**{**config.__dict__, "seq_len": 1, "past_lengths": (5 + step,) * 2})
+        inputs = {k: (v.astype(np.float16) if v.dtype == np.float32 else v) for k, v in random_inputs(step_config, rng, past=past).items()}
+        outputs = session.run(None, {n: inputs[n] for n in names})
+        assert get_executor().last_stats.cache.rows_uploaded == 0
+        as64 = {k: (v.astype(np.float64) if v.dtype.kind == "f" else v) for k, v in inputs.items()}
+        assert_matches_reference([o.astype(np.float64) for o in outputs], as64, config.node_attributes(), f"step {step}", tol=1e-2)

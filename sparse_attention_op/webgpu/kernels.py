@@ -96,7 +96,8 @@ def kv_append_pass(call: SparseAttentionCall, workgroup_size: int = 256) -> Pass
             ("value_offset_vec", "u32"),
             ("rotary_half", "u32"),
         ),
-        constants=(("head_size", call.head_size), ("workgroup_size", workgroup_size)) + _rotary_constants(call),
+        constants=(("head_size", call.head_size), ("workgroup_size", workgroup_size), ("round_keys_to_f16", attrs.do_rotary and call.float16_storage))
+        + _rotary_constants(call),
     )
     count = call.batch_size * attrs.kv_num_heads * call.seq_len * head_vec
     if call.packed_qkv:
