@@ -178,3 +178,31 @@ def test_float16_rotary_chain_needs_no_reupload(executor, rng):
         assert get_executor().last_stats.cache.rows_uploaded == 0
         as64 = {k: (v.astype(np.float64) if v.dtype.kind == "f" else v) for k, v in inputs.items()}
         assert_matches_reference([o.astype(np.float64) for o in outputs], as64, config.node_attributes(), f"step {step}", tol=1e-2)
+
+
+@pytest.mark.parametrize("f16_cache", [True, False])
+def test_float16_storage_cache_on_gpu(executor, rng, f16_cache):
+    from sparse_attention_op.spec import OpAttributes, build_call
+
+    if f16_cache and "shader-f16" not in executor.context.features:
+        pytest.fail("this test needs an adapter with shader-f16 (lavapipe has it)")
+    config = CaseConfig(batch=2, seq_len=7, prompt_lengths=(7, 5), head_size=64, max_cache_len=32, do_rotary=True, rotary_interleaved=True)
+    executor.f16_cache = f16_cache
+    try:
+        outputs = None
+        lengths = np.array([7, 5])
+        for step in range(4):
+            step_config = config if step == 0 else CaseConfig(**{**config.__dict__, "seq_len": 1, "past_lengths": tuple(int(v) for v in lengths), "prompt_lengths": None})
+            inputs = random_inputs(step_config, rng, past=None if outputs is None else outputs[1:])
+            # float16-storage values: everything the graph would hand over is a float16 value
+            inputs = {k: (v.astype(np.float16).astype(np.float32) if v.dtype == np.float32 else v) for k, v in inputs.items()}
+            call = build_call(inputs, OpAttributes.from_mapping(step_config.node_attributes()), float16_storage=True)
+            outputs = executor.run(call, node_key=f"f16-cache-{f16_cache}")
+            assert executor._nodes[f"f16-cache-{f16_cache}"].cache.dtype == (np.float16 if f16_cache else np.float32)
+            assert_matches_reference(outputs, inputs, step_config.node_attributes(), f"step {step}", tol=1e-2)
+            assert np.array_equal(outputs[1], outputs[1].astype(np.float16).astype(np.float32)), "presents must be float16 values"
+            if step:
+                assert executor.last_stats.cache.rows_uploaded == 0
+                lengths = lengths + 1
+    finally:
+        executor.f16_cache = True

@@ -14,6 +14,7 @@ from ..spec import SparseAttentionCall
 from .programs import Binding, Program
 
 VEC4 = "vec4<f32>"
+VEC4_F16 = "vec4<f16>"
 MAX_WORKGROUPS_PER_DIM = 65535
 
 
@@ -70,15 +71,16 @@ def _fold(groups: int) -> tuple[int, int, int]:
     return (x, -(-groups // x), 1)
 
 
-def kv_append_pass(call: SparseAttentionCall, workgroup_size: int = 256) -> Pass:
+def kv_append_pass(call: SparseAttentionCall, f16_cache: bool = False, workgroup_size: int = 256) -> Pass:
     attrs = call.attributes
     head_vec = call.head_size // 4
+    cache = VEC4_F16 if f16_cache else VEC4
     bindings = (
         Binding("key_source", VEC4),
         Binding("value_source", VEC4),
         Binding("row_past", "u32"),
-        Binding("key_cache", VEC4, writable=True),
-        Binding("value_cache", VEC4, writable=True),
+        Binding("key_cache", cache, writable=True),
+        Binding("value_cache", cache, writable=True),
     )
     if attrs.do_rotary:
         bindings += (Binding("new_key", VEC4, writable=True),)
@@ -96,7 +98,8 @@ def kv_append_pass(call: SparseAttentionCall, workgroup_size: int = 256) -> Pass
             ("value_offset_vec", "u32"),
             ("rotary_half", "u32"),
         ),
-        constants=(("head_size", call.head_size), ("workgroup_size", workgroup_size), ("round_keys_to_f16", attrs.do_rotary and call.float16_storage))
+        constants=(("head_size", call.head_size), ("workgroup_size", workgroup_size), ("cache_vec", cache),
+                   ("round_keys_to_f16", attrs.do_rotary and call.float16_storage))
         + _rotary_constants(call),
     )
     count = call.batch_size * attrs.kv_num_heads * call.seq_len * head_vec
@@ -134,14 +137,15 @@ def query_rotary_pass(call: SparseAttentionCall, workgroup_size: int = 256) -> P
     return Pass(program, uniforms, _fold(-(-count // workgroup_size)))
 
 
-def attention_pass(call: SparseAttentionCall, tiling: Tiling) -> Pass:
+def attention_pass(call: SparseAttentionCall, tiling: Tiling, f16_cache: bool = False) -> Pass:
     attrs = call.attributes
+    cache = VEC4_F16 if f16_cache else VEC4
     # With an unfused query rotary the pass reads the compact rotated queries instead.
     prerotated = attrs.do_rotary and not tiling.fuse_query_rotary
     bindings = (
         Binding("q_rotated" if prerotated else "query", VEC4),
-        Binding("key_cache", VEC4),
-        Binding("value_cache", VEC4),
+        Binding("key_cache", cache),
+        Binding("value_cache", cache),
         Binding("row_past", "u32"),
         Binding("block_plan", "u32"),
         Binding("output", VEC4, writable=True),

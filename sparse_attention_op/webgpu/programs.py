@@ -55,6 +55,8 @@ class Program:
         """WGSL for the bind group: the uniform block at binding 0, storage buffers after it."""
         fields = "\n".join(f"  {name}: {kind}," for name, kind in self.uniforms)
         lines = [f"struct Params {{\n{fields}\n}};", "@group(0) @binding(0) var<uniform> params: Params;"]
+        if any("f16" in binding.element for binding in self.bindings):
+            lines.insert(0, "enable f16;")  # needs the device feature shader-f16
         for index, binding in enumerate(self.bindings, start=1):
             access = "read_write" if binding.writable else "read"
             lines.append(f"@group(0) @binding({index}) var<storage, {access}> {binding.name}: array<{binding.element}>;")
