@@ -48,8 +48,13 @@ class NodeRuntime:
     uploaded_plan: BlockPlan | None = None  # the plan the block_plan buffer holds now
     plan_buffer: object = None  # ... and the buffer it was uploaded into
     calls: int = 0
+    # Bind groups by (program, bound buffer objects): the buffers are reused from call to
+    # call, so a decode step binds what the last one did. Keys hold the buffer objects
+    # themselves (identity), so a reallocated buffer can never hit a stale group.
+    bind_groups: dict = field(default_factory=dict)
 
     def release(self) -> None:
+        self.bind_groups.clear()
         self.buffers.release()
         if self.cache is not None:
             self.cache.release()
@@ -262,7 +267,7 @@ class WebGPUExecutor:
         timing = self._timestamp_writes()
         compute = encoder.begin_compute_pass(timestamp_writes=timing)
         for gpu_pass in passes:
-            self._dispatch(compute, gpu_pass, bound)
+            self._dispatch(compute, gpu_pass, bound, node.bind_groups)
         compute.end()
         download = Download(buffers)
         download.add("output", bound["output"], output.nbytes)
@@ -303,12 +308,17 @@ class WebGPUExecutor:
             self._timestamps = (query_set, resolved)
         return {"query_set": self._timestamps[0], "beginning_of_pass_write_index": 0, "end_of_pass_write_index": 1}
 
-    def _dispatch(self, compute, gpu_pass: Pass, bound: dict) -> None:
+    def _dispatch(self, compute, gpu_pass: Pass, bound: dict, bind_groups: dict) -> None:
         compiled = self.pipelines.get(gpu_pass.program)
-        entries = [{"binding": 0, "resource": {"buffer": bound[f"uniforms:{gpu_pass.program.template}"], "offset": 0}}]
-        for index, binding in enumerate(gpu_pass.program.bindings, start=1):
-            entries.append({"binding": index, "resource": {"buffer": bound[binding.name], "offset": 0}})
-        bind_group = self.context.device.create_bind_group(layout=compiled.bind_group_layout, entries=entries)
+        program = gpu_pass.program
+        resources = (bound[f"uniforms:{program.template}"],) + tuple(bound[b.name] for b in program.bindings)
+        key = (program.cache_key, resources)
+        bind_group = bind_groups.get(key)
+        if bind_group is None:
+            if len(bind_groups) > 32:  # shapes keep changing: start over rather than grow
+                bind_groups.clear()
+            entries = [{"binding": index, "resource": {"buffer": buffer, "offset": 0}} for index, buffer in enumerate(resources)]
+            bind_group = bind_groups[key] = self.context.device.create_bind_group(layout=compiled.bind_group_layout, entries=entries)
         compute.set_pipeline(compiled.pipeline)
         compute.set_bind_group(0, bind_group)
         compute.dispatch_workgroups(*gpu_pass.workgroups)
