@@ -20,8 +20,9 @@ def _release_session_state(token: str) -> None:
     """Finaliser of a session: queue its nodes' GPU state for freeing (never blocks)."""
     from .webgpu import executor as executor_module
 
-    if executor_module._executor is not None:
-        executor_module._executor.release_later(token + "/")
+    executor = executor_module._executor.peek()
+    if executor is not None:
+        executor.release_later(token + "/")
 
 
 def session_options(sess_options: ort.SessionOptions | None = None) -> ort.SessionOptions:

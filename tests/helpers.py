@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import onnxruntime as ort
 
@@ -70,3 +72,16 @@ def run_ort_cpu(model, feeds):
 
 def graph_feeds(session, inputs):
     return {i.name: inputs[i.name] for i in session.get_inputs()}
+
+
+def run_in_threads(targets, timeout=300):
+    """Start every target in a daemon thread (a hang cannot block the suite's exit) and join.
+
+    Targets collect their own failures: pytest does not see exceptions raised in threads.
+    """
+    threads = [threading.Thread(target=target, daemon=True) for target in targets]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=timeout)
+    assert not any(thread.is_alive() for thread in threads), f"a thread did not finish in {timeout} s"

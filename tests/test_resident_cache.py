@@ -3,13 +3,11 @@
 Every step is compared with the float64 reference; the executor's call statistics say how
 many history rows went to the GPU (a functional check, not a timing)."""
 
-import threading
-
 import numpy as np
 import pytest
 
 import sparse_attention_op as sao
-from helpers import assert_matches_reference, graph_feeds
+from helpers import assert_matches_reference, graph_feeds, run_in_threads
 from sparse_attention_op.graphs import sparse_attention_model
 from sparse_attention_op.inputs import CaseConfig, random_inputs
 from sparse_attention_op.webgpu import get_executor
@@ -122,11 +120,7 @@ def test_interleaved_sequences_from_threads_share_one_node(executor, rng):
         except Exception as error:  # pytest does not see thread exceptions
             failures.append(error)
 
-    threads = [threading.Thread(target=generate, args=(seed,), daemon=True) for seed in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=300)
+    run_in_threads([lambda seed=seed: generate(seed) for seed in range(3)])
     assert not failures, failures[0]
 
 

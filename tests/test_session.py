@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 
 import sparse_attention_op as sao
-from helpers import assert_close, assert_matches_reference, graph_feeds, run_ort_cpu
+from helpers import assert_close, assert_matches_reference, graph_feeds, run_in_threads, run_ort_cpu
 from sparse_attention_op.bridge import NODE_KEY_ATTRIBUTE
 from sparse_attention_op.demo import build_demo_model, reference_step
 from sparse_attention_op.graphs import sparse_attention_model
@@ -145,12 +145,17 @@ def test_demo_graph_with_other_nodes(executor):
         assert_close(got[..., :20, :] if name != "output" else got, want[..., :20, :] if name != "output" else want, name)
 
 
-@pytest.mark.gpu
-def test_bad_call_raises_naming_the_input_and_session_recovers(executor, rng):
+def decode_session(rng):
+    """A one-node decode session, its config, inputs and feeds."""
     config = CaseConfig(seq_len=1, past_lengths=(10,))
     model, inputs = model_and_inputs(config, rng)
     session = sao.create_session(model)
-    feeds = graph_feeds(session, inputs)
+    return config, session, inputs, graph_feeds(session, inputs)
+
+
+@pytest.mark.gpu
+def test_bad_call_raises_naming_the_input_and_session_recovers(executor, rng):
+    config, session, inputs, feeds = decode_session(rng)
     bad = dict(feeds, key_total_sequence_lengths=np.array([99], np.int32))
     with pytest.raises(sao.SparseAttentionInputError, match="key_total_sequence_lengths"):
         session.run(None, bad)
@@ -188,20 +193,13 @@ def test_one_session_from_several_threads(executor, rng):
         except Exception as error:  # collected: pytest does not see thread exceptions
             failures.append(error)
 
-    threads = [threading.Thread(target=worker, args=(inputs,), daemon=True) for inputs in cases]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=300)
+    run_in_threads([lambda inputs=inputs: worker(inputs) for inputs in cases])
     assert not failures, failures[0]
 
 
 @pytest.mark.gpu
 def test_thread_errors_stay_with_their_thread(executor, rng):
-    config = CaseConfig(seq_len=1, past_lengths=(10,))
-    model, inputs = model_and_inputs(config, rng)
-    session = sao.create_session(model)
-    feeds = graph_feeds(session, inputs)
+    config, session, inputs, feeds = decode_session(rng)
     bad = dict(feeds, total_sequence_length=np.array([500], np.int32))
     results = {}
 
@@ -222,21 +220,21 @@ def test_thread_errors_stay_with_their_thread(executor, rng):
                 errors += 1
         results["bad"] = errors
 
-    threads = [threading.Thread(target=good_worker, daemon=True), threading.Thread(target=bad_worker, daemon=True)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=300)
+    run_in_threads([good_worker, bad_worker])
     assert results == {"good": "ok", "bad": 5}
+
+
+def session_that_ran(rng):
+    """A session that has run once (so its node holds GPU state), and its token."""
+    model, inputs = model_and_inputs(CaseConfig(seq_len=2), rng)
+    session = sao.create_session(model)
+    session.run(None, graph_feeds(session, inputs))
+    return session, session.sparse_attention_token
 
 
 @pytest.mark.gpu
 def test_session_state_is_freed_with_the_session(executor, rng):
-    config = CaseConfig(seq_len=2)
-    model, inputs = model_and_inputs(config, rng)
-    session = sao.create_session(model)
-    session.run(None, graph_feeds(session, inputs))
-    token = session.sparse_attention_token
+    session, token = session_that_ran(rng)
     assert any(key.startswith(token) for key in get_executor().node_keys())
     del session
     gc.collect()
@@ -249,11 +247,7 @@ def test_finaliser_never_blocks_on_a_call_in_flight(executor, rng):
     # lock (seen as a deadlock once): the finaliser must only queue the release.
     from sparse_attention_op.session import _release_session_state
 
-    config = CaseConfig(seq_len=2)
-    model, inputs = model_and_inputs(config, rng)
-    session = sao.create_session(model)
-    session.run(None, graph_feeds(session, inputs))
-    token = session.sparse_attention_token
+    session, token = session_that_ran(rng)
     done = threading.Event()
     with executor._lock:  # a call in flight
         finaliser = threading.Thread(target=lambda: (_release_session_state(token), done.set()), daemon=True)

@@ -10,10 +10,11 @@ wgpu's own ``WGPU_BACKEND_TYPE`` still restricts which backends are enumerated.
 from __future__ import annotations
 
 import os
-import threading
 from dataclasses import dataclass
 
 import wgpu
+
+from .process_wide import ProcessWide
 
 ADAPTER_ENV = "SPARSE_ATTENTION_OP_ADAPTER"
 
@@ -103,14 +104,9 @@ def _create_context() -> GpuContext:
     )
 
 
-_context: GpuContext | None = None
-_context_lock = threading.Lock()
+_context = ProcessWide(_create_context)
 
 
 def get_context() -> GpuContext:
     """The process-wide device, created on first use."""
-    global _context
-    with _context_lock:
-        if _context is None:
-            _context = _create_context()
-        return _context
+    return _context.get()

@@ -28,6 +28,7 @@ from .buffers import BufferSet, Download, Upload
 from .device import GpuContext, get_context
 from .kernels import MAX_WORKGROUPS_PER_DIM, Pass, attention_pass, choose_tiling, kv_append_pass, query_rotary_pass
 from .kv_cache import ResidentCache, SyncStats
+from .process_wide import ProcessWide
 from .programs import PipelineCache
 
 _STORAGE_IN = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_DST
@@ -337,14 +338,9 @@ class WebGPUExecutor:
         return present_key, present_value
 
 
-_executor: WebGPUExecutor | None = None
-_executor_lock = threading.Lock()
+_executor = ProcessWide(WebGPUExecutor)
 
 
 def get_executor() -> WebGPUExecutor:
     """The process-wide executor on the process-wide device."""
-    global _executor
-    with _executor_lock:
-        if _executor is None:
-            _executor = WebGPUExecutor()
-        return _executor
+    return _executor.get()

@@ -1,0 +1,27 @@
+"""One value per process, created on first use: the device and the executor."""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class ProcessWide(Generic[T]):
+    """Calls ``factory`` once, on the first :meth:`get` from any thread; later calls share it."""
+
+    def __init__(self, factory: Callable[[], T]):
+        self._factory = factory
+        self._value: T | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> T:
+        with self._lock:
+            if self._value is None:
+                self._value = self._factory()
+            return self._value
+
+    def peek(self) -> T | None:
+        """The value if it was created, without creating it (a finaliser must not start a GPU)."""
+        return self._value
