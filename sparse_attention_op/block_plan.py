@@ -33,7 +33,6 @@ class BlockPlan:
     words: np.ndarray  # uint32: row table then columns
     num_layout: int
     max_blocks: int
-    empty_rows: int  # rows that select no reachable block (their queries average V)
 
     @property
     def nbytes(self) -> int:
@@ -72,8 +71,7 @@ def build_block_plan(block_row_indices: np.ndarray, block_col_indices: np.ndarra
         next_offset += pair_cols.size
     table = np.stack([offsets, counts], axis=-1).reshape(-1)
     words = np.concatenate([table] + column_lists).astype(np.uint32)
-    empty = int(np.count_nonzero(counts == 0))
-    return BlockPlan(words=words, num_layout=num_layout, max_blocks=max_blocks, empty_rows=empty)
+    return BlockPlan(words=words, num_layout=num_layout, max_blocks=max_blocks)
 
 
 class BlockPlanCache:

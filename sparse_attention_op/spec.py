@@ -70,7 +70,6 @@ class OpAttributes:
     do_rotary: bool = False
     rotary_interleaved: bool = False
 
-    ATTRIBUTE_DEFAULTS = {"scale": 0.0, "do_rotary": 0, "rotary_interleaved": 0}
     REQUIRED = ("num_heads", "kv_num_heads", "sparse_block_size")
 
     @classmethod

@@ -3,8 +3,8 @@
 A node's buffers are reused from call to call and only grow (by half again, so a slowly
 growing cache does not reallocate every step). Host<->GPU traffic goes through buffers we
 own and map ourselves: measured in DESIGN.md section 3, a mapped staging buffer plus a copy
-is 2-3x faster than ``queue.write_buffer`` and ``queue.read_buffer``, which allocate a
-staging buffer and submit on every call.
+is 2-3x faster than the queue's own write_buffer and read_buffer helpers, which allocate
+a staging buffer and submit on every call.
 """
 
 from __future__ import annotations

@@ -132,15 +132,15 @@ class WebGPUExecutor:
             try:
                 node = self._node(node_key, call)
                 output, new_key, stats = self._execute(call, node, plan, passes)
+                presents = self._presents(call, new_key, present_out)
+                record = presents if present_out is not None else tuple(p.copy() for p in presents)
+                node.cache.commit(call, *record)
             except Exception as error:
                 # Whatever the GPU holds for this node is unknown now: start it afresh.
                 failed = self._nodes.pop(node_key, None)
                 if failed is not None:
                     failed.release()
                 raise GpuExecutionError(f"SparseAttention failed on {self.context.description}: {error}") from error
-            presents = self._presents(call, new_key, present_out)
-            record = presents if present_out is not None else tuple(p.copy() for p in presents)
-            node.cache.commit(call, *record)
             node.calls += 1
         stats.seconds = time.perf_counter() - start
         self.last_stats = stats
