@@ -109,16 +109,21 @@ def _invoke(k_id, feed, attributes):
         return _ocos._on_pyop_invocation(k_id, feed, attributes)
     node_key = str(attributes.get(NODE_KEY_ATTRIBUTE, ""))
     try:
-        outputs = opdef.body(*feed, **opdef.cast_attributes(attributes))
+        outputs = _as_fetch(opdef.body(*feed, **opdef.cast_attributes(attributes)))
     except BaseException as error:  # noqa: BLE001 - anything escaping here aborts the process
-        log.debug("SparseAttention node %s refused a call: %s", node_key, error)
+        log.debug("PyOp node %s refused a call: %s", node_key, error)
         call_errors.record(session_token(node_key), error)
-        outputs = _poisoned_outputs(feed)
-    result = [k_id]
+        outputs = _as_fetch(_poisoned_outputs(feed))
+    return (k_id,) + outputs
+
+
+def _as_fetch(outputs) -> tuple:
+    """(shape, flat array) per output: the C++ side memcpy's each array's data as it is."""
+    fetch = []
     for array in outputs:
-        array = np.ascontiguousarray(array, dtype=np.float32)  # the C++ side memcpy's .data
-        result += [array.shape, array.reshape(-1)]
-    return tuple(result)
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        fetch += [array.shape, array.reshape(-1)]
+    return tuple(fetch)
 
 
 def register_array_op(function, **declaration):
