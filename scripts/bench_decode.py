@@ -29,12 +29,13 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
+from bench_common import PHI3_SMALL, identity_floor_session, median_seconds
+
 import sparse_attention_op as sao
-from sparse_attention_op.graphs import finish_model, sparse_attention_model
+from sparse_attention_op.graphs import sparse_attention_model
 from sparse_attention_op.inputs import CaseConfig, random_inputs
 from sparse_attention_op.webgpu import get_executor
 
-SHAPE = dict(num_heads=32, kv_num_heads=8, head_size=128, sparse_block_size=64, num_layout=32, local_blocks=16, vert_stride=8, do_rotary=True)
 CONSTANTS = ("block_row_indices", "block_col_indices", "cos_cache", "sin_cache")
 
 
@@ -64,31 +65,11 @@ def bridge_floor_session(cache_shape):
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def median_run_ms(session, feeds, reps: int) -> float:
-    session.run(None, feeds)
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        session.run(None, feeds)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
-def copy_floor_session(cache_shape):
-    graph = helper.make_graph(
-        [helper.make_node("Identity", ["past_key"], ["present_key"]), helper.make_node("Identity", ["past_value"], ["present_value"])],
-        "copy_floor",
-        [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(cache_shape)) for n in ("past_key", "past_value")],
-        [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(cache_shape)) for n in ("present_key", "present_value")],
-    )
-    return ort.InferenceSession(finish_model(graph).SerializeToString(), providers=["CPUExecutionProvider"])
-
-
 class Generation:
     """A prompt then decode steps on one session, presents fed back."""
 
     def __init__(self, capacity: int, prompt: int, rng):
-        self.config = CaseConfig(seq_len=prompt, max_cache_len=capacity, **SHAPE)
+        self.config = CaseConfig(seq_len=prompt, max_cache_len=capacity, **PHI3_SMALL)
         self.rng = rng
         self.session = sao.create_session(sparse_attention_model(self.config.node_attributes(), random_inputs(self.config, rng), constants=CONSTANTS))
         self.names = [i.name for i in self.session.get_inputs()]
@@ -133,8 +114,10 @@ def main() -> int:
             gpus.append(executor.last_stats.gpu_seconds)
         shape = generation.inputs["past_key"].shape
         floor_feeds = {n: generation.inputs[n] for n in ("past_key", "past_value")}
-        floor_ms = median_run_ms(copy_floor_session(shape), floor_feeds, args.steps)
-        bridge_ms = median_run_ms(bridge_floor_session(shape), floor_feeds, args.steps)
+        floor_ms, bridge_ms = (
+            median_seconds(lambda session=session: session.run(None, floor_feeds), args.steps) * 1e3
+            for session in (identity_floor_session(shape), bridge_floor_session(shape))
+        )
         run_ms, op_ms = (statistics.median(v) * 1e3 for v in (totals, ops))
         gpu_ms = "-" if gpus[0] is None else f"{statistics.median(gpus) * 1e3:.3f}"
         print(f"| {capacity} | {run_ms:.2f} | {op_ms:.2f} | {gpu_ms} | {floor_ms:.2f} | {bridge_ms:.2f} | {run_ms / floor_ms:.2f}x | {run_ms / bridge_ms:.2f}x |", flush=True)

@@ -23,30 +23,16 @@ import os
 import platform
 import statistics
 import sys
-import time
 
 import numpy as np
 import onnxruntime as ort
-from onnx import TensorProto, helper
+from bench_common import PHI3_SMALL, identity_floor_session, median_seconds
 
-from sparse_attention_op.graphs import finish_model, sparse_attention_model
+from sparse_attention_op.graphs import sparse_attention_model
 from sparse_attention_op.inputs import CaseConfig, random_inputs
 from sparse_attention_op.reference import apply_rotary, attend, block_mask
 from sparse_attention_op.spec import OpAttributes, build_call
 from sparse_attention_op.webgpu import get_executor
-
-PHI3_SMALL = dict(num_heads=32, kv_num_heads=8, head_size=128, sparse_block_size=64, num_layout=32, local_blocks=16, vert_stride=8, do_rotary=True)
-
-
-def median_seconds(function, reps: int) -> float:
-    function()  # warm-up: shader compilation, buffer allocation
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
 
 def spot_check(inputs, attrs, output, samples: int, rng) -> float:
     """Largest error of sampled (batch 0, token, head) rows against a float64 recomputation."""
@@ -73,15 +59,7 @@ def spot_check(inputs, attrs, output, samples: int, rng) -> float:
 
 
 def identity_floor(inputs, reps: int) -> float:
-    """ORT passing past_key/past_value through Identity: the bridge's copy floor."""
-    shape = list(inputs["past_key"].shape)
-    graph = helper.make_graph(
-        [helper.make_node("Identity", ["past_key"], ["present_key"]), helper.make_node("Identity", ["past_value"], ["present_value"])],
-        "copy_floor",
-        [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in ("past_key", "past_value")],
-        [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in ("present_key", "present_value")],
-    )
-    session = ort.InferenceSession(finish_model(graph).SerializeToString(), providers=["CPUExecutionProvider"])
+    session = identity_floor_session(inputs["past_key"].shape)
     feeds = {"past_key": inputs["past_key"], "past_value": inputs["past_value"]}
     return median_seconds(lambda: session.run(None, feeds), reps)
 
@@ -163,7 +141,7 @@ def main() -> int:
 
         def run_webgpu():
             result["outputs"] = executor.run(call, node_key=f"bench/{kind}/{cache}")
-            result.setdefault("gpu", []).append(executor.last_gpu_seconds)
+            result.setdefault("gpu", []).append(executor.last_stats.gpu_seconds)
 
         wall = median_seconds(run_webgpu, args.reps)
         gpu = statistics.median(result["gpu"][1:]) if result["gpu"][-1] is not None else None

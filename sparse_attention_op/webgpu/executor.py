@@ -48,7 +48,6 @@ class NodeRuntime:
     cache: ResidentCache | None = None
     uploaded_plan: BlockPlan | None = None  # the plan the block_plan buffer holds now
     plan_buffer: object = None  # ... and the buffer it was uploaded into
-    calls: int = 0
     # Bind groups by (program, bound buffer objects): the buffers are reused from call to
     # call, so a decode step binds what the last one did. Keys hold the buffer objects
     # themselves (identity), so a reallocated buffer can never hit a stale group.
@@ -141,14 +140,9 @@ class WebGPUExecutor:
                 if failed is not None:
                     failed.release()
                 raise GpuExecutionError(f"SparseAttention failed on {self.context.description}: {error}") from error
-            node.calls += 1
         stats.seconds = time.perf_counter() - start
         self.last_stats = stats
         return (output,) + presents
-
-    @property
-    def last_gpu_seconds(self) -> float | None:
-        return self.last_stats.gpu_seconds
 
     def release_later(self, node_key_prefix: str) -> None:
         """Queue the GPU state of every node whose key starts with the prefix for freeing.

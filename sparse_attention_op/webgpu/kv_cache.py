@@ -63,14 +63,12 @@ class ResidentCache:
     def sync(self, call: SparseAttentionCall, upload: Upload) -> SyncStats:
         """Queue uploads so that the GPU holds the incoming past over every row's history."""
         stats = SyncStats()
-        past_key, past_value = call.tensors["past_key"], call.tensors["past_value"]
+        incoming = (call.tensors["past_key"], call.tensors["past_value"])
+        mirrors = self._mirror if self._mirror is not None else (None, None)
         for b, needed in enumerate(call.past_lengths):
             known = min(needed, int(self._valid_rows[b])) if self._mirror is not None else 0
-            for tensor, buffer, mirror in (
-                (past_key, self.key, None if self._mirror is None else self._mirror[0]),
-                (past_value, self.value, None if self._mirror is None else self._mirror[1]),
-            ):
-                spans = self._differing_spans(tensor[b], mirror[b] if mirror is not None else None, known)
+            for tensor, buffer, mirror in zip(incoming, (self.key, self.value), mirrors):
+                spans = [] if mirror is None else self._differing_spans(tensor[b], mirror[b], known)
                 # History rows the GPU never held (or holds for another sequence) go up whole.
                 if needed > known:
                     spans += [(head, known, needed) for head in range(tensor.shape[1])]
@@ -92,9 +90,9 @@ class ResidentCache:
         self._valid_rows[:] = 0
 
     @staticmethod
-    def _differing_spans(incoming: np.ndarray, mirror: np.ndarray | None, rows: int) -> list[tuple[int, int, int]]:
+    def _differing_spans(incoming: np.ndarray, mirror: np.ndarray, rows: int) -> list[tuple[int, int, int]]:
         """(head, first, end) row spans where incoming[:, :rows] differs from the mirror, bit for bit."""
-        if rows == 0 or mirror is None:
+        if rows == 0:
             return []
         new = incoming[:, :rows].view(np.uint32)
         old = mirror[:, :rows].view(np.uint32)
