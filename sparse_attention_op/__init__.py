@@ -4,8 +4,9 @@
     sess = sao.create_session("model.onnx")   # an onnxruntime.InferenceSession
     outputs = sess.run(None, feeds)
 
-Data flows one way: ORT -> bridge (PyOp) -> spec (one validated call) -> WebGPU executor
--> outputs. The bridge never touches the GPU and the executor never parses ONNX.
+Data flows one way: ORT -> bridge (PyOps, small tensors only) -> spec (one validated call)
+-> WebGPU executor -> outputs; native ORT nodes place the new rows in the presents. The
+bridge never touches the GPU and the executor never parses ONNX.
 """
 
 from .bridge import register
@@ -23,4 +24,4 @@ __all__ = [
     "prepare_model",
     "register",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

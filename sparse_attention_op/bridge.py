@@ -1,36 +1,64 @@
-"""The onnxruntime-extensions PyOp that routes com.microsoft::SparseAttention to the executor.
+"""The onnxruntime-extensions PyOps that carry a SparseAttention node's work to the executor.
 
-Two facts about the bridge shape this module (measured, DESIGN.md section 2):
+prepare_model (model.py) replaces each SparseAttention node by native ONNX Runtime nodes
+around three PyOps, so that no cache-sized tensor crosses the bridge (docs/design.md, "The
+graph around the op"):
+
+* ``SparseAttentionPlan`` sees shapes and lengths only. It validates them and says which
+  past rows the cache check probes, which cos/sin rows the call reads, and whether the
+  layout must cross (only until the node has seen it, when it is a constant).
+* ``SparseAttentionCacheCheck`` sees the probe rows. It says how many history rows must
+  cross: none when the resident cache holds the past (fast check), all of them otherwise
+  (and always, for the exact check).
+* ``SparseAttentionKernel`` sees the query, the new key/value rows, the history rows asked
+  for, the cos/sin rows and the layout when it crosses. It runs the GPU call and returns the
+  output, the rotated new key rows and the ScatterND indices that place the new rows in
+  the presents.
+
+Facts about the bridge that shape this module (measured, docs/design.md):
 
 * The stock invocation hook turns every output into a Python list (``tolist``), 75x slower
   than handing the numpy array over; the C++ side memcpy's a contiguous array directly.
-  :func:`register` installs a hook that does that for this op and defers to the stock
+  :func:`register` installs a hook that does that for these ops and defers to the stock
   dispatcher for every other PyOp.
 * An exception escaping the hook terminates the process (the C++ ``Compute`` does not
-  catch it). So the hook never raises: it records the error for the calling session and
-  thread, and returns NaN-filled outputs; :class:`~sparse_attention_op.session.SparseAttentionSession`
-  re-raises the recorded error from ``run``. Validation happens before any GPU work, so a
-  refused call leaves nothing half-done and the session keeps working.
+  catch it). So the hook never raises. A refused call is recorded for its session and
+  thread and logged, and the op returns outputs that make the next native node fail with an
+  ordinary ONNX Runtime error (a Gather index out of range, a Reshape or ScatterND of the
+  wrong size): ``run`` raises under any session, and
+  :class:`~sparse_attention_op.session.SparseAttentionSession` raises the op's own error.
+* No PyOp output is a graph output or can be bound by the caller: a bound output of the
+  wrong shape makes ORT throw inside the PyOp, which aborts the process. Native nodes
+  produce every graph output, and answer such mistakes with an exception.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 
 import numpy as np
-from onnxruntime_extensions import PyCustomOpDef, _ocos, onnx_op
+from onnxruntime_extensions import PyCustomOpDef, onnx_op
 
-from .spec import DOMAIN, INPUT_NAMES, OP_TYPE, OpAttributes, build_call
+from . import _ortx_compat
+from .cache_record import probe_chunks, probe_row_indices
+from .presents import scatter_indices
+from .spec import SHAPED_INPUTS, CallShape, OpAttributes, SparseAttentionError, assemble_call, describe_call
 
-#: Attribute prepare_model stamps on every node: "<session token>/<node identity>".
-NODE_KEY_ATTRIBUTE = "sao_node_key"
-#: Attribute prepare_model stamps on every node: "float16" when the graph keeps the node's
-#: tensors in float16 (and casts around it), else "float32".
-STORAGE_ATTRIBUTE = "sao_storage"
+#: Domain of the bridge's own ops (they exist only in prepared models).
+BRIDGE_DOMAIN = "ai.sparse_attention_op"
+PLAN_OP, CHECK_OP, KERNEL_OP = "SparseAttentionPlan", "SparseAttentionCacheCheck", "SparseAttentionKernel"
 
-_F, _I = PyCustomOpDef.dt_float, PyCustomOpDef.dt_int32
-_INPUT_TYPES = [_F, _F, _F, _F, _F, _I, _I, _I, _I, _F, _F]
+#: Attributes prepare_model stamps on each of the three ops, besides the operator's own.
+NODE_KEY_ATTRIBUTE = "sao_node_key"  # "<session token>/<node identity>"
+STORAGE_ATTRIBUTE = "sao_storage"  # "float16" when the graph keeps the node's tensors in float16
+KV_CHECK_ATTRIBUTE = "sao_kv_check"  # "exact" or "fast"
+LAYOUT_ATTRIBUTE = "sao_layout"  # "constant" (an initializer) or "per_call"
+KV_CHECKS = ("exact", "fast")
+
+_F, _I32, _I64 = PyCustomOpDef.dt_float, PyCustomOpDef.dt_int32, PyCustomOpDef.dt_int64
+_SHAPES = [_I64] * len(SHAPED_INPUTS)
 _ATTRIBUTE_TYPES = {
     "num_heads": PyCustomOpDef.dt_int64,
     "kv_num_heads": PyCustomOpDef.dt_int64,
@@ -40,80 +68,254 @@ _ATTRIBUTE_TYPES = {
     "rotary_interleaved": PyCustomOpDef.dt_int64,
     NODE_KEY_ATTRIBUTE: PyCustomOpDef.dt_string,
     STORAGE_ATTRIBUTE: PyCustomOpDef.dt_string,
+    KV_CHECK_ATTRIBUTE: PyCustomOpDef.dt_string,
+    LAYOUT_ATTRIBUTE: PyCustomOpDef.dt_string,
 }
-assert len(_INPUT_TYPES) == len(INPUT_NAMES)
+#: Poison that no Gather/ScatterND accepts as an index.
+_BAD_INDEX = np.int64(2**62)
 
 log = logging.getLogger(__name__)
-
-
-class CallErrors:
-    """Errors raised inside the op, waiting for the session run that caused them.
-
-    Keyed by (session token, thread): ORT runs a node on the thread that called ``run``
-    in sequential execution (which create_session sets), so concurrent runs of one session
-    from several threads never see each other's errors.
-    """
-
-    def __init__(self):
-        self._errors: dict[tuple[str, int], BaseException] = {}
-        self._lock = threading.Lock()
-
-    def record(self, token: str, error: BaseException) -> None:
-        with self._lock:
-            # The first error of a run is the one to report; later nodes fail because of it.
-            self._errors.setdefault((token, threading.get_ident()), error)
-
-    def pop(self, token: str) -> BaseException | None:
-        with self._lock:
-            return self._errors.pop((token, threading.get_ident()), None)
-
-
-call_errors = CallErrors()
-
-_register_lock = threading.RLock()  # register() holds it while registering
-_opdef = None
-#: PyOps whose outputs take the array path (by the id onnxruntime-extensions gives them).
-_array_ops: dict = {}
 
 
 def session_token(node_key: str) -> str:
     return node_key.split("/", 1)[0]
 
 
-def _sparse_attention(*inputs, **attributes):
-    """The op body: validate, run on the GPU, hand (output, present_key, present_value) back."""
+class SessionRecords:
+    """Per-session settings, and per (session, thread) the last run's error and stats.
+
+    Keyed by thread: ORT runs a node on the thread that called ``run`` in sequential
+    execution (which create_session sets), so concurrent runs of one session from several
+    threads never see each other's errors or stats. Only sessions made by create_session
+    register; a plain InferenceSession over prepare_model's output gets default settings,
+    and its refused calls are logged (nothing would ever collect them).
+    """
+
+    def __init__(self):
+        self._settings: dict[str, object] = {}
+        self._errors: dict[tuple[str, int], BaseException] = {}
+        self._stats: dict[tuple[str, int], dict] = {}
+        self._lock = threading.Lock()
+
+    def open(self, token: str, settings) -> None:
+        self._settings[token] = settings
+
+    def close(self, token: str) -> None:
+        with self._lock:
+            self._settings.pop(token, None)
+            for table in (self._errors, self._stats):
+                for key in [k for k in table if k[0] == token]:
+                    del table[key]
+
+    def settings(self, token: str):
+        return self._settings.get(token)
+
+    def record_error(self, token: str, error: BaseException) -> None:
+        if token not in self._settings:
+            return
+        with self._lock:
+            # The first error of a run is the one to report; later nodes fail because of it.
+            self._errors.setdefault((token, threading.get_ident()), error)
+
+    def pop_error(self, token: str) -> BaseException | None:
+        with self._lock:
+            return self._errors.pop((token, threading.get_ident()), None)
+
+    def record_stats(self, token: str, node_key: str, stats) -> None:
+        if token in self._settings:
+            self._stats.setdefault((token, threading.get_ident()), {})[node_key.split("/", 1)[1]] = stats
+
+    def pop_stats(self, token: str) -> dict:
+        return self._stats.pop((token, threading.get_ident()), {})
+
+
+records = SessionRecords()
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What the stamped attributes say about a node, parsed once per distinct attribute set."""
+
+    attributes: OpAttributes
+    node_key: str
+    float16_storage: bool
+    kv_check: str
+    constant_layout: bool
+
+    @property
+    def token(self) -> str:
+        return session_token(self.node_key)
+
+
+_node_infos: dict[tuple, NodeInfo] = {}
+
+
+def node_info(attributes: dict) -> NodeInfo:
+    key = tuple(sorted(attributes.items()))
+    info = _node_infos.get(key)
+    if info is None:
+        raw = dict(attributes)
+        kv_check = raw.pop(KV_CHECK_ATTRIBUTE, "exact")
+        if kv_check not in KV_CHECKS:
+            raise SparseAttentionError(f"{KV_CHECK_ATTRIBUTE} must be one of {KV_CHECKS}, got {kv_check!r}")
+        info = NodeInfo(
+            node_key=raw.pop(NODE_KEY_ATTRIBUTE, ""),
+            float16_storage=raw.pop(STORAGE_ATTRIBUTE, "float32") == "float16",
+            kv_check=kv_check,
+            constant_layout=raw.pop(LAYOUT_ATTRIBUTE, "per_call") == "constant",
+            attributes=OpAttributes.from_mapping(raw),
+        )
+        _node_infos[key] = info
+    return info
+
+
+def _shapes(arrays) -> dict:
+    """Shape tensors (from native Shape nodes) as tuples; an empty optional input is absent."""
+    shapes = {}
+    for name, array in zip(SHAPED_INPUTS, arrays):
+        dims = tuple(int(d) for d in array)
+        shapes[name] = None if dims == (0,) and name in ("key", "value", "cos_cache", "sin_cache") else dims
+    return shapes
+
+
+def _describe(info: NodeInfo, shape_arrays, total, key_totals) -> CallShape:
+    return describe_call(info.attributes, _shapes(shape_arrays), total, key_totals)
+
+
+def _executor():
     from .webgpu import get_executor  # the GPU is touched on the first call, not at import
 
-    node_key = attributes.pop(NODE_KEY_ATTRIBUTE, "")
-    float16_storage = attributes.pop(STORAGE_ATTRIBUTE, "float32") == "float16"
-    call = build_call(inputs, OpAttributes.from_mapping(attributes), float16_storage=float16_storage)
-    # The bridge hands fresh copies of past_key/past_value: complete them in place.
-    past_key, past_value = inputs[3], inputs[4]
-    donate = past_key.flags.writeable and past_value.flags.writeable and past_key.flags.c_contiguous and past_value.flags.c_contiguous
-    return get_executor().run(call, node_key, present_out=(past_key, past_value) if donate else None)
+    return get_executor()
 
 
-def _poisoned_outputs(inputs) -> tuple[np.ndarray, ...]:
-    """NaN outputs for a refused call, shaped as well as the inputs allow."""
-    query = np.asarray(inputs[0]) if inputs else np.empty(0)
-    past = np.asarray(inputs[3]) if len(inputs) > 3 else np.empty(0)
-    output = np.full(query.shape if query.ndim == 3 else (0,), np.nan, dtype=np.float32)
-    present = np.full(past.shape, np.nan, dtype=np.float32)
-    return output, present, present.copy()
+def _settings(info: NodeInfo):
+    from .webgpu.executor import ExecutionSettings
+
+    return records.settings(info.token) or ExecutionSettings()
+
+
+# -- the three ops ------------------------------------------------------------------------
+def plan_op(*inputs, **attributes):
+    """Shapes and lengths -> probe row indices, the rotary window, how many layouts cross,
+    and the target shapes of the native Reshapes (past as rows, the new rows by head, the
+    output). Every native node that could fail on a malformed input depends on one of these
+    outputs, so this op's own check runs first and its message is the one reported."""
+    info = node_info(attributes)
+    shape_arrays, (total, key_totals) = inputs[: len(SHAPED_INPUTS)], inputs[len(SHAPED_INPUTS) :]
+    shape = _describe(info, shape_arrays, total, key_totals)
+    if info.kv_check == "fast" and not shape.is_prompt:
+        chunk_rows = _executor().chunk_rows(shape, info.float16_storage, _settings(info))
+        probes = probe_chunks(shape.past_lengths, chunk_rows, shape.total_sequence_length)
+        rows = probe_row_indices(probes, chunk_rows, shape.attributes.kv_num_heads, shape.max_cache_len)
+    else:
+        rows = np.zeros(0, np.int64)
+    first, end = shape.rotary_window
+    layouts = 0 if info.constant_layout and _executor().knows_layout(info.node_key) else shape.num_layout
+    b, heads, capacity, h = shape.cache_shape
+    attrs = shape.attributes
+    split_heads = attrs.num_heads + 2 * attrs.kv_num_heads if shape.packed_qkv else attrs.kv_num_heads
+    return (
+        rows,
+        np.array([first], np.int64),
+        np.array([end], np.int64),
+        np.array([layouts], np.int64),
+        np.array([b * heads * capacity, h], np.int64),
+        np.array([b, shape.seq_len, split_heads, h], np.int64),
+        np.array(shape.output_shape, np.int64),
+    )
+
+
+def _plan_poison(inputs):
+    # An index no Gather accepts, and one-element Reshape targets no tensor here fits.
+    one = np.ones(1, np.int64)
+    return np.array([_BAD_INDEX]), np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64), one, one, one
+
+
+def check_op(probe_key, probe_value, *inputs, **attributes):
+    """Probe rows -> how many history rows must cross (0: the resident cache holds the past)."""
+    info = node_info(attributes)
+    shape_arrays, (total, key_totals) = inputs[: len(SHAPED_INPUTS)], inputs[len(SHAPED_INPUTS) :]
+    shape = _describe(info, shape_arrays, total, key_totals)
+    if shape.is_prompt:
+        return (np.zeros(1, np.int64),)
+    if info.kv_check == "fast":
+        executor, settings = _executor(), _settings(info)
+        chunk_rows = executor.chunk_rows(shape, info.float16_storage, settings)
+        probes = probe_chunks(shape.past_lengths, chunk_rows, shape.total_sequence_length)
+        b, heads, _, h = shape.cache_shape
+        rows = (b, heads, probes.shape[1] * chunk_rows, h)
+        if probe_key.size == np.prod(rows) and executor.cache_holds(
+            info.node_key, shape, probes, probe_key.reshape(rows), probe_value.reshape(rows), info.float16_storage, settings
+        ):
+            return (np.zeros(1, np.int64),)
+    return (np.array([shape.history_rows], np.int64),)
+
+
+def _check_poison(inputs):
+    return (np.zeros(2, np.int64),)  # a Slice end of two entries for one axis: ORT refuses it
+
+
+def kernel_op(query, key, value, history_key, history_value, block_rows, block_cols, total, key_totals, cos_rows, sin_rows, *shape_arrays, **attributes):
+    """The GPU call: output, rotated new key rows (empty without rotary), ScatterND indices."""
+    info = node_info(attributes)
+    shape = _describe(info, shape_arrays, total, key_totals)
+    layout_given = block_rows.shape[0] > 0
+    rotary = shape.attributes.do_rotary
+    call = assemble_call(
+        shape,
+        query,
+        None if shape.packed_qkv else key,
+        None if shape.packed_qkv else value,
+        history_key,
+        history_value,
+        cos_rows if rotary else None,
+        sin_rows if rotary else None,
+        block_rows if layout_given else None,
+        block_cols if layout_given else None,
+        float16_storage=info.float16_storage,
+    )
+    result = _executor().run(call, info.node_key, _settings(info))
+    records.record_stats(info.token, info.node_key, result.stats)
+    new_key = result.new_key if result.new_key is not None else np.zeros(0, np.float32)
+    return result.output, new_key, scatter_indices(shape)
+
+
+def _kernel_poison(inputs):
+    return np.full(3, np.nan, np.float32), np.zeros(0, np.float32), np.full((1, 1, 1, 3), _BAD_INDEX)
+
+
+# -- registration and the invocation hook ---------------------------------------------
+@dataclass(frozen=True)
+class _ArrayOp:
+    opdef: object
+    poison: object  # inputs -> outputs that make the next native node fail, or None
+
+
+_register_lock = threading.RLock()
+_registered = False
+#: PyOps whose outputs take the array path (by the id onnxruntime-extensions gives them).
+_array_ops: dict[int, _ArrayOp] = {}
 
 
 def _invoke(k_id, feed, attributes):
     """Hook for every PyOp of the process; ours return arrays, others go to the stock hook."""
-    opdef = _array_ops.get(k_id)
-    if opdef is None:
-        return _ocos._on_pyop_invocation(k_id, feed, attributes)
-    node_key = str(attributes.get(NODE_KEY_ATTRIBUTE, ""))
+    op = _array_ops.get(k_id)
+    if op is None:
+        return _ortx_compat.stock_invocation(k_id, feed, attributes)
     try:
-        outputs = _as_fetch(opdef.body(*feed, **opdef.cast_attributes(attributes)))
+        outputs = _as_fetch(op.opdef.body(*feed, **op.opdef.cast_attributes(attributes)))
     except BaseException as error:  # noqa: BLE001 - anything escaping here aborts the process
-        log.debug("PyOp node %s refused a call: %s", node_key, error)
-        call_errors.record(session_token(node_key), error)
-        outputs = _as_fetch(_poisoned_outputs(feed))
+        node_key = str(attributes.get(NODE_KEY_ATTRIBUTE, ""))
+        token = session_token(node_key)
+        if records.settings(token) is None:
+            # Nothing will collect it: say it here, naming the node and the rule.
+            log.error("SparseAttention node %s refused a call: %s", node_key.split("/", 1)[-1], error)
+        else:
+            log.debug("SparseAttention node %s refused a call: %s", node_key, error)
+        records.record_error(token, error)
+        if op.poison is None:
+            raise
+        outputs = _as_fetch(op.poison(feed))
     return (k_id,) + outputs
 
 
@@ -121,33 +323,36 @@ def _as_fetch(outputs) -> tuple:
     """(shape, flat array) per output: the C++ side memcpy's each array's data as it is."""
     fetch = []
     for array in outputs:
-        array = np.ascontiguousarray(array, dtype=np.float32)
+        array = np.ascontiguousarray(array)
         fetch += [array.shape, array.reshape(-1)]
     return tuple(fetch)
 
 
-def register_array_op(function, **declaration):
-    """Register a PyOp (``onnx_op`` arguments) whose float32 outputs cross as numpy arrays.
+def register_array_op(function, poison=None, **declaration):
+    """Register a PyOp (``onnx_op`` arguments) whose outputs cross as numpy arrays.
 
-    SparseAttention is one; the decode benchmark registers a pass-through op to measure
-    what the bridge's own copies cost.
+    ``poison(inputs)`` gives the outputs of a call whose body raised (see the module doc);
+    without it the exception escapes, which only a test or benchmark op may allow.
     """
     with _register_lock:
         opdef = onnx_op(**declaration)(function)
-        _array_ops[opdef._id] = opdef
-        PyCustomOpDef.install_hooker(_invoke)
+        _array_ops[opdef._id] = _ArrayOp(opdef, poison)
+        _ortx_compat.install_invocation_hook(_invoke)
         return opdef
 
 
 def register() -> None:
-    """Register com.microsoft::SparseAttention with onnxruntime-extensions (idempotent)."""
-    global _opdef
+    """Register the bridge's ops with onnxruntime-extensions (idempotent)."""
+    global _registered
     with _register_lock:
-        if _opdef is None:
-            _opdef = register_array_op(
-                _sparse_attention, op_type=f"{DOMAIN}::{OP_TYPE}", inputs=_INPUT_TYPES, outputs=[_F, _F, _F], attrs=_ATTRIBUTE_TYPES
-            )
-
-
-def is_registered() -> bool:
-    return _opdef is not None
+        if _registered:
+            return
+        _ortx_compat.check_version()
+        common = dict(attrs=_ATTRIBUTE_TYPES)
+        register_array_op(plan_op, _plan_poison, op_type=f"{BRIDGE_DOMAIN}::{PLAN_OP}", inputs=_SHAPES + [_I32, _I32],
+                          outputs=[_I64] * 7, **common)
+        register_array_op(check_op, _check_poison, op_type=f"{BRIDGE_DOMAIN}::{CHECK_OP}", inputs=[_F, _F] + _SHAPES + [_I32, _I32],
+                          outputs=[_I64], **common)
+        register_array_op(kernel_op, _kernel_poison, op_type=f"{BRIDGE_DOMAIN}::{KERNEL_OP}",
+                          inputs=[_F, _F, _F, _F, _F, _I32, _I32, _I32, _I32, _F, _F] + _SHAPES, outputs=[_F, _F, _I64], **common)
+        _registered = True

@@ -1,13 +1,11 @@
-"""Normalising a model's SparseAttention nodes for the bridge.
+"""prepare_model: a model whose SparseAttention nodes run through the bridge.
 
-The PyOp bridge requires every declared input and attribute on the node (DESIGN.md
-section 2), so each SparseAttention node gets: explicit values for its optional
-attributes, an empty placeholder tensor in every absent optional input slot, and a
-unique identity (``sao_node_key``) that keys its GPU state. The bridge cannot carry
-float16 either, so a float16 node is wrapped in Casts: its float16 inputs are cast to
-float32 in front of it and its outputs back to float16 behind it, and the graph keeps its
-float16 interface. Model-level faults (bad attributes, inconsistent optional inputs,
-unsupported types) are refused here, naming the node. Other nodes are left alone.
+Each SparseAttention node is checked (attributes, required inputs, element types, a
+constant layout's CSR), given an identity (``<session token>/<index>:<name>``) that keys its
+GPU state, and replaced by native nodes around the bridge's ops (rewrite.py). The graph's
+inputs and outputs keep their names, shapes, dtypes and meaning. Model-level faults raise
+:class:`~sparse_attention_op.spec.SparseAttentionError` naming the node. Other nodes are left
+alone.
 """
 
 from __future__ import annotations
@@ -18,23 +16,15 @@ import uuid
 from pathlib import Path
 from typing import Union
 
-import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .bridge import NODE_KEY_ATTRIBUTE, STORAGE_ATTRIBUTE
-from .spec import DOMAIN, INPUT_NAMES, OP_TYPE, OpAttributes, SparseAttentionError
+from .bridge import BRIDGE_DOMAIN, KV_CHECKS
+from .rewrite import NodePlan, expand, shared_initializers
+from .spec import DOMAIN, FLOAT_INPUTS, INPUT_NAMES, OPTIONAL_INPUTS, OP_TYPE, OpAttributes, SparseAttentionError, check_layout
 
 ModelLike = Union[str, os.PathLike, bytes, onnx.ModelProto]
-
-#: Initializer that stands in for an absent optional input (key/value when packed,
-#: cos/sin without rotary). The spec module reads an empty optional input as absent.
-ABSENT_FLOAT = "sao_absent_float"
-_OPTIONAL = {"key", "value", "cos_cache", "sin_cache"}
-_FLOAT_SLOTS = [i for i, name in enumerate(INPUT_NAMES) if name in ("query", "key", "value", "past_key", "past_value", "cos_cache", "sin_cache")]
-_INT_SLOTS = [i for i, name in enumerate(INPUT_NAMES) if i not in _FLOAT_SLOTS]
-#: Suffix of the float32 tensors between a float16 node's Casts.
-FLOAT32_SUFFIX = "_sao_f32"
+_INT_INPUTS = [name for name in INPUT_NAMES if name not in FLOAT_INPUTS]
 
 
 def load_model(model: ModelLike) -> onnx.ModelProto:
@@ -55,44 +45,42 @@ def is_sparse_attention(node: onnx.NodeProto) -> bool:
     return node.op_type == OP_TYPE and node.domain == DOMAIN
 
 
-def _iter_graphs(graph: onnx.GraphProto):
-    """The graph and every subgraph (If/Loop/Scan bodies) below it."""
-    yield graph
-    for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                yield from _iter_graphs(attribute.g)
-            elif attribute.type == onnx.AttributeProto.GRAPHS:
-                for sub in attribute.graphs:
-                    yield from _iter_graphs(sub)
-
-
-def prepare_model(model: ModelLike, *, session_token: str | None = None) -> onnx.ModelProto:
-    """Return a copy of ``model`` whose SparseAttention nodes the bridge can run.
+def prepare_model(model: ModelLike, *, session_token: str | None = None, kv_check: str = "exact") -> onnx.ModelProto:
+    """Return a copy of ``model`` whose SparseAttention nodes the bridge runs.
 
     ``session_token`` prefixes every node identity; each call without one draws a fresh
-    token, so two models prepared separately never share GPU state.
+    token, so two models prepared separately never share GPU state. ``kv_check`` is the
+    resident cache's check, ``"exact"`` or ``"fast"`` (see create_session).
     """
+    if kv_check not in KV_CHECKS:
+        raise ValueError(f"kv_check must be one of {KV_CHECKS}, got {kv_check!r}")
     prepared = load_model(model)
     token = session_token or uuid.uuid4().hex
+    main = prepared.graph
     types = tensor_types(prepared)
-    count = 0
-    placeholder_needed = False
-    for graph in _iter_graphs(prepared.graph):
+    constants = _constant_names(main)
+    initializers, count = [], 0
+    # Subgraph (If/Loop/Scan) bodies are rewritten in place; their new constants go to the
+    # main graph, whose initializers every body can see.
+    for graph in [main, *_subgraphs(main)]:
         nodes = []
         for node in graph.node:
             if not is_sparse_attention(node):
                 nodes.append(node)
                 continue
-            placeholder_needed |= _normalise_node(node, f"{token}/{count}:{node.name}")
-            nodes.extend(_compute_in_float32(node, types))
+            plan = _plan(node, f"{token}/{count}:{node.name}", kv_check, types, constants | _constant_names(graph), main, graph)
+            expanded, private = expand(plan)
+            nodes.extend(expanded)
+            initializers.extend(private)
             count += 1
         del graph.node[:]
         graph.node.extend(nodes)
-    if placeholder_needed and not any(init.name == ABSENT_FLOAT for init in prepared.graph.initializer):
-        prepared.graph.initializer.append(numpy_helper.from_array(np.zeros((0,), np.float32), ABSENT_FLOAT))
-    if count and not any(op.domain == DOMAIN for op in prepared.opset_import):
-        prepared.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    if count:
+        present = {init.name for init in main.initializer}
+        used = {name for graph in [main, *_subgraphs(main)] for node in graph.node for name in node.input}
+        main.initializer.extend(init for init in shared_initializers() + initializers if init.name not in present and init.name in used)
+        if not any(op.domain == BRIDGE_DOMAIN for op in prepared.opset_import):
+            prepared.opset_import.append(helper.make_opsetid(BRIDGE_DOMAIN, 1))
     return prepared
 
 
@@ -100,47 +88,85 @@ def node_attributes(node: onnx.NodeProto) -> dict:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
-def _normalise_node(node: onnx.NodeProto, node_key: str) -> bool:
-    """Fill defaults, placeholders and identity in place; True if a placeholder is used."""
+def _plan(node, node_key: str, kv_check: str, types: dict, constants: set, *graphs) -> NodePlan:
     label = f"SparseAttention node '{node.name or node_key}'"
-    attrs = node_attributes(node)
     try:
-        attributes = OpAttributes.from_mapping(attrs)
+        attributes = OpAttributes.from_mapping(node_attributes(node))
     except SparseAttentionError as error:
         raise SparseAttentionError(f"{label}: {error}") from None
-    inputs = list(node.input) + [""] * (len(INPUT_NAMES) - len(node.input))
-    if len(inputs) > len(INPUT_NAMES):
-        raise SparseAttentionError(f"{label}: has {len(inputs)} inputs, the operator takes {len(INPUT_NAMES)}")
-    named = dict(zip(INPUT_NAMES, inputs))
+    if len(node.input) > len(INPUT_NAMES):
+        raise SparseAttentionError(f"{label}: has {len(node.input)} inputs, the operator takes {len(INPUT_NAMES)}")
+    named = dict(zip(INPUT_NAMES, list(node.input) + [""] * (len(INPUT_NAMES) - len(node.input))))
     for name, value in named.items():
-        if name not in _OPTIONAL and not value:
+        if name not in OPTIONAL_INPUTS and not value:
             raise SparseAttentionError(f"{label}: input '{name}' is required")
     if bool(named["key"]) != bool(named["value"]):
         raise SparseAttentionError(f"{label}: inputs 'key' and 'value' must both be given, or both absent for packed QKV")
     if attributes.do_rotary and not (named["cos_cache"] and named["sin_cache"]):
         raise SparseAttentionError(f"{label}: inputs 'cos_cache' and 'sin_cache' are required when do_rotary = 1")
-    used_placeholder = False
-    for index, name in enumerate(INPUT_NAMES):
-        if name in _OPTIONAL and not inputs[index]:
-            inputs[index] = ABSENT_FLOAT
-            used_placeholder = True
-    del node.input[:]
-    node.input.extend(inputs)
-
-    explicit = {
-        "scale": float(attributes.scale),
-        "do_rotary": int(attributes.do_rotary),
-        "rotary_interleaved": int(attributes.rotary_interleaved),
-        NODE_KEY_ATTRIBUTE: node_key,
-        STORAGE_ATTRIBUTE: "float32",  # _compute_in_float32 marks float16 nodes
-    }
-    kept = [a for a in node.attribute if a.name not in explicit]
-    del node.attribute[:]
-    node.attribute.extend(kept)
-    node.attribute.extend(helper.make_attribute(name, value) for name, value in explicit.items())
-    return used_placeholder
+    float16 = _float_type(label, named, types) == TensorProto.FLOAT16
+    for name in _INT_INPUTS:
+        elem = types.get(named[name], TensorProto.INT32)
+        if elem != TensorProto.INT32:
+            raise SparseAttentionError(f"{label}: input '{name}' must be int32, got {TensorProto.DataType.Name(elem)}")
+    layout = (named["block_row_indices"], named["block_col_indices"])
+    constant_layout = all(name in constants for name in layout)
+    if constant_layout:
+        _check_constant_layout(label, layout, graphs)
+    return NodePlan(node=node, attributes=attributes, node_key=node_key, kv_check=kv_check, float16=float16, constant_layout=constant_layout)
 
 
+def _float_type(label: str, named: dict, types: dict) -> int:
+    """The node's T: float32 or float16, the same for every float input ONNX can type."""
+    seen = {}
+    for name in FLOAT_INPUTS:
+        if named[name] and named[name] in types:
+            seen[name] = types[named[name]]
+    for name, elem in seen.items():
+        if elem not in (TensorProto.FLOAT, TensorProto.FLOAT16):
+            raise SparseAttentionError(f"{label}: input '{name}' is {TensorProto.DataType.Name(elem)}; float32 and float16 are supported")
+    kinds = set(seen.values())
+    if len(kinds) > 1:
+        detail = ", ".join(f"{n}: {TensorProto.DataType.Name(e)}" for n, e in seen.items())
+        raise SparseAttentionError(f"{label}: float inputs must share one type T (the operator has one), got {detail}")
+    return kinds.pop() if kinds else TensorProto.FLOAT
+
+
+def _check_constant_layout(label: str, layout: tuple[str, str], graphs) -> None:
+    arrays = {}
+    for graph in graphs:
+        arrays.update({init.name: init for init in graph.initializer})
+        for node in graph.node:
+            if node.op_type == "Constant" and node.output and node.output[0] in layout:
+                arrays[node.output[0]] = next(a.t for a in node.attribute if a.name == "value")
+    rows, cols = (numpy_helper.to_array(arrays[name]) for name in layout)
+    try:
+        if rows.ndim != 2 or cols.ndim != 2 or rows.shape[0] != cols.shape[0] or rows.shape[1] < 2:
+            raise SparseAttentionError(f"layout shapes {rows.shape} and {cols.shape} are not (num_layout, max_blocks + 1) and (num_layout, max_nnz)")
+        check_layout(rows, cols)
+    except SparseAttentionError as error:
+        raise SparseAttentionError(f"{label}: {error}") from None
+
+
+def _constant_names(graph) -> set:
+    """Tensors whose value is fixed in the model: initializers that are not graph inputs, Constant outputs."""
+    inputs = {i.name for i in graph.input}
+    names = {init.name for init in graph.initializer if init.name not in inputs}
+    names.update(node.output[0] for node in graph.node
+                 if node.op_type == "Constant" and node.output and any(a.name == "value" for a in node.attribute))
+    return names
+
+
+def _subgraphs(graph):
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                yield attribute.g
+                yield from _subgraphs(attribute.g)
+            elif attribute.type == onnx.AttributeProto.GRAPHS:
+                for sub in attribute.graphs:
+                    yield sub
+                    yield from _subgraphs(sub)
 
 
 def tensor_types(model: onnx.ModelProto) -> dict[str, int]:
@@ -156,40 +182,3 @@ def tensor_types(model: onnx.ModelProto) -> dict[str, int]:
         if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
             types[node.output[0]] = node.attribute[0].t.data_type
     return {name: t for name, t in types.items() if t != TensorProto.UNDEFINED}
-
-
-def _compute_in_float32(node: onnx.NodeProto, types: dict[str, int]) -> list[onnx.NodeProto]:
-    """The node, wrapped in Casts when its float inputs are float16 (else just the node)."""
-    label = f"SparseAttention node '{node.name}'"
-    for slot in _FLOAT_SLOTS:
-        elem = types.get(node.input[slot], TensorProto.FLOAT)
-        if node.input[slot] != ABSENT_FLOAT and elem not in (TensorProto.FLOAT, TensorProto.FLOAT16):
-            raise SparseAttentionError(
-                f"{label}: input '{INPUT_NAMES[slot]}' is {TensorProto.DataType.Name(elem)}; float32 and float16 are supported"
-            )
-    for slot in _INT_SLOTS:
-        elem = types.get(node.input[slot], TensorProto.INT32)
-        if elem != TensorProto.INT32:
-            raise SparseAttentionError(f"{label}: input '{INPUT_NAMES[slot]}' must be int32, got {TensorProto.DataType.Name(elem)}")
-    half = [slot for slot in _FLOAT_SLOTS if types.get(node.input[slot]) == TensorProto.FLOAT16]
-    if not half:
-        return [node]
-    if types.get(node.input[0]) != TensorProto.FLOAT16:
-        raise SparseAttentionError(f"{label}: float16 inputs need a float16 query (the operator has one type T)")
-    for attribute in node.attribute:
-        if attribute.name == STORAGE_ATTRIBUTE:
-            attribute.s = b"float16"
-    before = []
-    for slot in half:
-        source = node.input[slot]
-        cast_name = f"{source}{FLOAT32_SUFFIX}_{node.name or 'node'}"
-        before.append(helper.make_node("Cast", [source], [cast_name], to=TensorProto.FLOAT, name=f"{cast_name}_cast"))
-        node.input[slot] = cast_name
-    after = []
-    for index, output in enumerate(node.output):
-        if not output:
-            continue
-        float32_name = f"{output}{FLOAT32_SUFFIX}"
-        node.output[index] = float32_name
-        after.append(helper.make_node("Cast", [float32_name], [output], to=TensorProto.FLOAT16, name=f"{output}_to_float16"))
-    return before + [node] + after

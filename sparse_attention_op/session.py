@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 import uuid
 import weakref
 
 import onnxruntime as ort
 from onnxruntime_extensions import get_library_path
 
-from .bridge import call_errors, register
+from .bridge import KV_CHECKS, records, register
 from .model import ModelLike, prepare_model
 
 #: Marks SessionOptions that already carry the extensions library: registering it twice on
@@ -16,10 +17,11 @@ from .model import ModelLike, prepare_model
 _REGISTERED_MARK = "sparse_attention_op.custom_ops_registered"
 
 
-def _release_session_state(token: str) -> None:
-    """Finaliser of a session: queue its nodes' GPU state for freeing (never blocks)."""
+def _close_session(token: str) -> None:
+    """Finaliser of a session: forget its records, queue its nodes' GPU state for freeing (never blocks)."""
     from .webgpu import executor as executor_module
 
+    records.close(token)
     executor = executor_module._executor.peek()
     if executor is not None:
         executor.release_later(token + "/")
@@ -28,8 +30,9 @@ def _release_session_state(token: str) -> None:
 def session_options(sess_options: ort.SessionOptions | None = None) -> ort.SessionOptions:
     """Options with the custom-op library registered once and sequential execution.
 
-    Sequential execution keeps each node on the thread that called ``run``, which is how a
-    refused call's error finds its way back to that ``run`` (see bridge.CallErrors).
+    Sequential execution keeps each node on the thread that called ``run``: the cache
+    check and the kernel of one node must see the same per-thread state, and a refused
+    call's error finds its way back to that ``run``.
     """
     options = sess_options if sess_options is not None else ort.SessionOptions()
     try:
@@ -42,27 +45,41 @@ def session_options(sess_options: ort.SessionOptions | None = None) -> ort.Sessi
 
 
 class SparseAttentionSession(ort.InferenceSession):
-    """A genuine InferenceSession that re-raises errors refused inside SparseAttention nodes.
+    """A genuine InferenceSession that raises the errors refused inside SparseAttention nodes.
 
-    Its SparseAttention nodes carry this session's own token, so its GPU state is never
-    shared with another session, and is freed when the session is collected.
+    Its nodes carry this session's own token, so its GPU state is never shared with another
+    session, and is freed when the session is collected. Settings (``kv_check``,
+    ``profile``, ``f16_cache``) belong to the session.
     """
 
-    def __init__(self, model_bytes: bytes, sess_options, providers, token: str):
-        super().__init__(model_bytes, sess_options=sess_options, providers=providers)
+    def __init__(self, model_bytes: bytes, sess_options, providers, token: str, settings, kv_check: str):
+        records.open(token, settings)
         self.sparse_attention_token = token
-        self._finalizer = weakref.finalize(self, _release_session_state, token)
+        self.kv_check = kv_check
+        self.settings = settings
+        self._finalizer = weakref.finalize(self, _close_session, token)
+        self._local = threading.local()
+        super().__init__(model_bytes, sess_options=sess_options, providers=providers)
+
+    def last_stats(self) -> dict:
+        """Per SparseAttention node (by name), what its call did in this thread's last run:
+        :class:`~sparse_attention_op.webgpu.executor.CallStats` (GPU times with ``profile=True``)."""
+        return getattr(self._local, "stats", {})
 
     def _checked(self, method, *args, **kwargs):
-        call_errors.pop(self.sparse_attention_token)  # nothing stale from an earlier run
+        token = self.sparse_attention_token
+        records.pop_error(token)  # nothing stale from an earlier run
+        records.pop_stats(token)
         try:
             result = method(*args, **kwargs)
         except Exception as failure:
-            refused = call_errors.pop(self.sparse_attention_token)
+            refused = records.pop_error(token)
             if refused is not None:
                 raise refused from failure
             raise
-        refused = call_errors.pop(self.sparse_attention_token)
+        finally:
+            self._local.stats = records.pop_stats(token)
+        refused = records.pop_error(token)
         if refused is not None:
             raise refused
         return result
@@ -77,20 +94,47 @@ class SparseAttentionSession(ort.InferenceSession):
         return self._checked(super().run_with_iobinding, iobinding, run_options)
 
 
-def create_session(model: ModelLike, sess_options: ort.SessionOptions | None = None, providers=None) -> SparseAttentionSession:
+def create_session(
+    model: ModelLike,
+    sess_options: ort.SessionOptions | None = None,
+    providers=None,
+    *,
+    kv_check: str = "exact",
+    profile: bool = False,
+    f16_cache: bool = True,
+) -> SparseAttentionSession:
     """Load ``model`` (path, bytes or ModelProto) into an InferenceSession with WebGPU SparseAttention.
 
     Every SparseAttention node runs on WebGPU through wgpu; every other node on ONNX
-    Runtime's CPU kernels (or the given providers). Model-level faults raise
-    :class:`~sparse_attention_op.spec.SparseAttentionError` here; call-level faults raise
-    it from ``run``, and the session keeps working afterwards.
+    Runtime's CPU kernels (or the given providers). Each node keeps its KV cache on the GPU
+    between calls and checks the past it is fed against what it holds:
+
+    * ``kv_check="exact"`` (default): every history row crosses to the op and is compared
+      through per-chunk 64-bit digests; only rows that differ are uploaded. Results are
+      those of the past you feed, whatever it is. Cost follows the history, not the cache's
+      capacity.
+    * ``kv_check="fast"``: only lengths and probe rows cross (each sequence's last rows and
+      a few rows spread over its history); when they disagree the call falls back to the
+      exact check. Cost per step is constant. It cannot see a change confined to rows it did
+      not probe, such as an edit to one row in the middle of a history.
+
+    ``profile=True`` times every dispatch with GPU timestamps (see :meth:`SparseAttentionSession.last_stats`).
+    ``f16_cache`` keeps float16 models' GPU caches in f16 where the adapter allows (lossless).
+    Model-level faults raise :class:`~sparse_attention_op.spec.SparseAttentionError` here;
+    call-level faults raise it from ``run``, and the session keeps working afterwards.
     """
+    from .webgpu.executor import ExecutionSettings
+
+    if kv_check not in KV_CHECKS:
+        raise ValueError(f"kv_check must be one of {KV_CHECKS}, got {kv_check!r}")
     token = uuid.uuid4().hex
-    prepared = prepare_model(model, session_token=token)
+    prepared = prepare_model(model, session_token=token, kv_check=kv_check)
     register()
     return SparseAttentionSession(
         prepared.SerializeToString(),
         session_options(sess_options),
         providers or ["CPUExecutionProvider"],
         token,
+        ExecutionSettings(profile=profile, f16_cache=f16_cache),
+        kv_check,
     )

@@ -1,16 +1,26 @@
-"""The operator contract of ``com.microsoft.SparseAttention`` and one validated call.
+"""The operator contract of ``com.microsoft.SparseAttention``: attributes, rules, one validated call.
 
-Everything the executor needs to know about a call is derived here, once, from the raw
-inputs the bridge hands over: shapes, the per-row history, prompt/decode mode and the
-layout facts. The result is an immutable :class:`SparseAttentionCall`; the executor never
-looks at ONNX and never re-derives any of it. Every malformed input raises
-:class:`SparseAttentionInputError` naming the input and the rule it broke, before any GPU
-work (DESIGN.md section 1 lists the rules; those ORT's kernel misses are checked too).
+Two layers, because the bridge keeps the big tensors away from Python (docs/design.md,
+"The graph around the op"):
+
+* :func:`describe_call` validates everything that shapes and lengths determine and returns
+  a :class:`CallShape`: batch, history per row, prompt or decode, head size, rotary span.
+  It needs no tensor data, so the small planning ops of the bridge can run it before any
+  cache row crosses.
+* :class:`SparseAttentionCall` adds the tensors one GPU call needs: the query and the new
+  key/value rows, the history rows the resident cache must compare (often none), the
+  cos/sin rows of this call's positions and the layout (absent when the node's layout is
+  already known). :func:`build_call` makes one from the operator's eleven full inputs, which
+  is how tests, benchmarks and direct executor users drive it.
+
+Every malformed input raises :class:`SparseAttentionInputError` naming the input and the
+rule it broke, before any GPU work. The rules are ORT's (docs/design.md, "The operator
+contract"), plus those its CPU kernel misses.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -18,8 +28,7 @@ import numpy as np
 DOMAIN = "com.microsoft"
 OP_TYPE = "SparseAttention"
 
-#: Input slots in schema order; the bridge always passes all eleven (absent ones as
-#: empty placeholders, see model.py).
+#: Input slots in schema order.
 INPUT_NAMES = (
     "query",
     "key",
@@ -35,11 +44,15 @@ INPUT_NAMES = (
 )
 OUTPUT_NAMES = ("output", "present_key", "present_value")
 FLOAT_INPUTS = ("query", "key", "value", "past_key", "past_value", "cos_cache", "sin_cache")
-INT_INPUTS = ("block_row_indices", "block_col_indices", "total_sequence_length", "key_total_sequence_lengths")
+OPTIONAL_INPUTS = ("key", "value", "cos_cache", "sin_cache")
+#: Inputs whose shape (not data) the planning ops see; the other two are small int tensors.
+SHAPED_INPUTS = tuple(name for name in INPUT_NAMES if name not in ("total_sequence_length", "key_total_sequence_lengths"))
 
 #: Largest value the kernels index with 32-bit unsigned arithmetic. Sizes above it would
 #: wrap on the GPU, so they are refused here (ORT refuses int32 overflow likewise).
 MAX_INDEX = 2**31 - 1
+
+Shape = tuple[int, ...]
 
 
 class SparseAttentionError(ValueError):
@@ -117,25 +130,21 @@ def _flag(attrs: Mapping[str, object], name: str) -> bool:
     return bool(value)
 
 
-def _readonly(array: np.ndarray) -> np.ndarray:
-    view = array.view()
-    view.flags.writeable = False
-    return view
-
-
 @dataclass(frozen=True)
-class SparseAttentionCall:
-    """One validated call: every fact the executor needs, and the (read-only) tensors.
+class CallShape:
+    """Every fact about one call that its shapes and lengths determine.
 
     ``past_lengths[b]`` is how many cache rows of batch row ``b`` precede this call's
     tokens; its new rows land at ``[past, past + seq_len)``. In a prompt it is 0 for every
-    row, and rows ``t >= key_totals[b]`` of the prompt are padding.
+    row, and rows ``t >= key_totals[b]`` of the prompt are padding (written to the cache all
+    the same, as ORT does, but never history: the next call's past ends at ``key_totals[b]``).
     """
 
     attributes: OpAttributes
     batch_size: int
     seq_len: int
     head_size: int
+    query_hidden: int
     max_cache_len: int
     num_layout: int
     max_blocks: int
@@ -146,17 +155,6 @@ class SparseAttentionCall:
     past_lengths: tuple[int, ...]
     key_totals: tuple[int, ...]
     rotary_dim: int
-    tensors: Mapping[str, np.ndarray] = field(repr=False, compare=False)
-    #: The graph keeps this node's tensors in float16 and casts around it (model.py):
-    #: values the op creates (rotated keys) are rounded to float16 values so that the
-    #: presents survive the cast to float16 and back unchanged.
-    float16_storage: bool = False
-
-    @property
-    def mode(self) -> str:
-        if self.is_prompt:
-            return "prompt"
-        return "decode" if self.seq_len == 1 else "chunked_prefill"
 
     @property
     def scale(self) -> float:
@@ -165,40 +163,58 @@ class SparseAttentionCall:
         return scale if scale > 0 else 1.0 / float(np.sqrt(self.head_size))
 
     @property
-    def query_row_stride(self) -> int:
-        """Elements per (batch, token) row of the query input."""
-        return int(self.tensors["query"].shape[2])
-
-    @property
     def cache_shape(self) -> tuple[int, int, int, int]:
+        """past_key's shape: the model's cache, max_cache_len rows per (batch, kv head)."""
         return (self.batch_size, self.attributes.kv_num_heads, self.max_cache_len, self.head_size)
 
     @property
     def output_shape(self) -> tuple[int, int, int]:
         return (self.batch_size, self.seq_len, self.attributes.num_heads * self.head_size)
 
+    @property
+    def new_rows_shape(self) -> tuple[int, int, int, int]:
+        """This call's new key (or value) rows, as the presents hold them: (batch, kv head, token, head)."""
+        return (self.batch_size, self.attributes.kv_num_heads, self.seq_len, self.head_size)
 
-def build_call(
-    inputs: Sequence[np.ndarray] | Mapping[str, np.ndarray], attributes: OpAttributes, *, float16_storage: bool = False
-) -> SparseAttentionCall:
-    """Validate one call's inputs and describe it.
+    @property
+    def history_rows(self) -> int:
+        """Cache rows before this call that any batch row reads (0 in a prompt)."""
+        return max(self.past_lengths)
 
-    ``inputs`` holds the eleven inputs in schema order (or a mapping by name); absent
-    optional inputs (key/value when packed, cos/sin without rotary) are ``None`` or empty.
-    Raises :class:`SparseAttentionInputError` for the first rule an input breaks.
+    @property
+    def end_rows(self) -> tuple[int, ...]:
+        """Per batch row, how many cache rows are history after this call."""
+        return self.key_totals
+
+    @property
+    def rotary_window(self) -> tuple[int, int]:
+        """First and end position whose cos/sin rows this call reads (the rows of its new tokens)."""
+        if not self.attributes.do_rotary:
+            return (0, 0)
+        return (min(self.past_lengths), max(self.past_lengths) + self.seq_len)
+
+
+def describe_call(
+    attributes: OpAttributes,
+    shapes: Mapping[str, Shape | None],
+    total_sequence_length: np.ndarray,
+    key_total_sequence_lengths: np.ndarray,
+) -> CallShape:
+    """Validate what shapes and lengths determine; raise for the first broken rule.
+
+    ``shapes`` gives each input of :data:`SHAPED_INPUTS` its shape, ``None`` for an absent
+    optional input (key/value when packed, cos/sin without rotary).
     """
-    tensors = _collect(inputs)
     nh, nkv = attributes.num_heads, attributes.kv_num_heads
-
-    query = tensors["query"]
-    if query.ndim != 3:
-        _fail("query", f"must have rank 3 (batch, sequence, hidden), got shape {query.shape}")
-    batch, seq_len, hidden = (int(d) for d in query.shape)
+    query = shapes["query"]
+    if query is None or len(query) != 3:
+        _fail("query", f"must have rank 3 (batch, sequence, hidden), got shape {query}")
+    batch, seq_len, hidden = query
     if batch < 1 or seq_len < 1:
-        _fail("query", f"batch and sequence dimensions must be at least 1, got shape {query.shape}")
+        _fail("query", f"batch and sequence dimensions must be at least 1, got shape {query}")
 
-    packed = tensors["key"] is None
-    if packed != (tensors["value"] is None):
+    packed = shapes["key"] is None
+    if packed != (shapes["value"] is None):
         _fail("value" if packed else "key", "key and value must both be given, or both absent for packed QKV")
     if packed:
         heads_total = nh + 2 * nkv
@@ -211,35 +227,34 @@ def build_call(
         head_size = hidden // nh
     _check_head_size(head_size)
     if not packed:
+        expected = (batch, seq_len, nkv * head_size)
         for name in ("key", "value"):
-            expected = (batch, seq_len, nkv * head_size)
-            if tensors[name].shape != expected:
-                _fail(name, f"must have shape (batch, sequence, kv_num_heads * head_size) = {expected}, got {tensors[name].shape}")
+            if shapes[name] != expected:
+                _fail(name, f"must have shape (batch, sequence, kv_num_heads * head_size) = {expected}, got {shapes[name]}")
 
-    past_key = tensors["past_key"]
-    if past_key.ndim != 4:
-        _fail("past_key", f"must have rank 4 (batch, kv_num_heads, max_cache_len, head_size), got shape {past_key.shape}")
-    max_cache_len = int(past_key.shape[2])
+    past_key = shapes["past_key"]
+    if past_key is None or len(past_key) != 4:
+        _fail("past_key", f"must have rank 4 (batch, kv_num_heads, max_cache_len, head_size), got shape {past_key}")
+    max_cache_len = past_key[2]
     expected_cache = (batch, nkv, max_cache_len, head_size)
-    if past_key.shape != expected_cache:
-        _fail("past_key", f"must have shape (batch, kv_num_heads, max_cache_len, head_size) = {expected_cache}, got {past_key.shape}")
-    if tensors["past_value"].shape != past_key.shape:
-        _fail("past_value", f"must have past_key's shape {past_key.shape}, got {tensors['past_value'].shape}")
+    if past_key != expected_cache:
+        _fail("past_key", f"must have shape (batch, kv_num_heads, max_cache_len, head_size) = {expected_cache}, got {past_key}")
+    if shapes["past_value"] != past_key:
+        _fail("past_value", f"must have past_key's shape {past_key}, got {shapes['past_value']}")
 
-    rows, cols = tensors["block_row_indices"], tensors["block_col_indices"]
-    if rows.ndim != 2 or rows.shape[1] < 2:
-        _fail("block_row_indices", f"must have shape (num_layout, max_blocks + 1) with max_blocks >= 1, got {rows.shape}")
-    num_layout, max_blocks = int(rows.shape[0]), int(rows.shape[1]) - 1
+    rows, cols = shapes["block_row_indices"], shapes["block_col_indices"]
+    if rows is None or len(rows) != 2 or rows[1] < 2:
+        _fail("block_row_indices", f"must have shape (num_layout, max_blocks + 1) with max_blocks >= 1, got {rows}")
+    num_layout, max_blocks = rows[0], rows[1] - 1
     if num_layout < 1 or nh % num_layout:
         _fail("block_row_indices", f"num_layout = {num_layout} must be >= 1 and divide num_heads = {nh}")
-    if cols.ndim != 2 or cols.shape[0] != num_layout:
-        _fail("block_col_indices", f"must have shape (num_layout = {num_layout}, max_nnz), got {cols.shape}")
-    max_nnz = int(cols.shape[1])
+    if cols is None or len(cols) != 2 or cols[0] != num_layout:
+        _fail("block_col_indices", f"must have shape (num_layout = {num_layout}, max_nnz), got {cols}")
+    max_nnz = cols[1]
     if max_nnz > max_blocks * max_blocks:
         _fail("block_col_indices", f"max_nnz = {max_nnz} must not exceed max_blocks^2 = {max_blocks * max_blocks}")
-    _check_csr(rows, cols, max_blocks)
 
-    total_tensor = tensors["total_sequence_length"]
+    total_tensor = np.asarray(total_sequence_length)
     if total_tensor.size != 1 or total_tensor.ndim > 1:
         _fail("total_sequence_length", f"must be a scalar or shape [1], got shape {total_tensor.shape}")
     total = int(total_tensor.reshape(-1)[0])
@@ -250,7 +265,7 @@ def build_call(
     if max_blocks * attributes.sparse_block_size < total:
         _fail("block_row_indices", f"max_blocks * sparse_block_size = {max_blocks * attributes.sparse_block_size} must cover total_sequence_length = {total}")
 
-    key_totals_tensor = tensors["key_total_sequence_lengths"]
+    key_totals_tensor = np.asarray(key_total_sequence_lengths)
     if key_totals_tensor.shape != (batch,):
         _fail("key_total_sequence_lengths", f"must have shape (batch,) = ({batch},), got {key_totals_tensor.shape}")
     key_totals = tuple(int(v) for v in key_totals_tensor)
@@ -262,17 +277,18 @@ def build_call(
             _fail("key_total_sequence_lengths", f"entry {b} = {value} must lie in [{low}, {total}] for {mode} (sequence length {seq_len}, total {total})")
     past_lengths = tuple(0 if is_prompt else value - seq_len for value in key_totals)
 
-    rotary_dim = _check_rotary(tensors, attributes, head_size, total)
+    rotary_dim = _check_rotary(shapes, attributes, head_size, total)
 
-    for name, size in (("past_key", past_key.size), ("query", query.size)):
+    for name, size in (("past_key", int(np.prod(past_key))), ("query", int(np.prod(query)))):
         if size > MAX_INDEX:
             _fail(name, f"has {size} elements, more than 32-bit GPU indexing allows ({MAX_INDEX})")
 
-    return SparseAttentionCall(
+    return CallShape(
         attributes=attributes,
         batch_size=batch,
         seq_len=seq_len,
         head_size=head_size,
+        query_hidden=hidden,
         max_cache_len=max_cache_len,
         num_layout=num_layout,
         max_blocks=max_blocks,
@@ -283,8 +299,6 @@ def build_call(
         past_lengths=past_lengths,
         key_totals=key_totals,
         rotary_dim=rotary_dim,
-        tensors={name: (None if t is None else _readonly(t)) for name, t in tensors.items()},
-        float16_storage=float16_storage,
     )
 
 
@@ -292,9 +306,184 @@ def _check_head_size(head_size: int) -> None:
     if head_size % 8 or head_size == 0:
         _fail("query", f"head_size must be a positive multiple of 8, got {head_size}")
     if head_size > 256:
-        # The attention pass stages a tile of queries in workgroup memory; 256 is the
-        # largest head that fits every adapter's 16 KiB minimum with room to spare.
+        # The attention passes stage query tiles in workgroup memory; 256 is the largest
+        # head that fits every adapter's 16 KiB minimum with room to spare.
         _fail("query", f"head_size above 256 is not supported, got {head_size}")
+
+
+def _check_rotary(shapes, attributes: OpAttributes, head_size: int, total: int) -> int:
+    cos, sin = shapes["cos_cache"], shapes["sin_cache"]
+    if not attributes.do_rotary:
+        return 0
+    if cos is None or sin is None:
+        _fail("cos_cache" if cos is None else "sin_cache", "is required when do_rotary = 1")
+    if head_size % 16:
+        _fail("query", f"head_size must be a multiple of 16 when do_rotary = 1, got {head_size}")
+    if len(cos) != 2:
+        _fail("cos_cache", f"must have rank 2 (max_rotary_len, rotary_dim / 2), got shape {cos}")
+    if sin != cos:
+        _fail("sin_cache", f"must have cos_cache's shape {cos}, got {sin}")
+    half = cos[1]
+    if half % 8 or half == 0 or half > head_size // 2:
+        _fail("cos_cache", f"dimension 1 (rotary_dim / 2) must be a positive multiple of 8 and <= head_size / 2 = {head_size // 2}, got {half}")
+    if cos[0] < total:
+        _fail("cos_cache", f"must hold at least total_sequence_length = {total} positions, got {cos[0]}")
+    return 2 * half
+
+
+def check_layout(block_row_indices: np.ndarray, block_col_indices: np.ndarray) -> None:
+    """The CSR's content: offsets start at 0, never decrease and stay in the column list;
+    listed columns lie in [0, max_blocks). Shapes were checked by :func:`describe_call`."""
+    rows, cols = np.asarray(block_row_indices), np.asarray(block_col_indices)
+    max_blocks, max_nnz = rows.shape[1] - 1, cols.shape[1]
+    if np.any(rows[:, 0] != 0):
+        layout = int(np.nonzero(rows[:, 0] != 0)[0][0])
+        _fail("block_row_indices", f"layout {layout} must start at offset 0, got {int(rows[layout, 0])}")
+    steps = np.diff(rows.astype(np.int64), axis=1)
+    if np.any(steps < 0):
+        layout, row = (int(i) for i in np.argwhere(steps < 0)[0])
+        _fail("block_row_indices", f"offsets must never decrease (layout {layout}, row {row}: {int(rows[layout, row])} -> {int(rows[layout, row + 1])})")
+    if np.any(rows[:, -1] > max_nnz):
+        layout = int(np.nonzero(rows[:, -1] > max_nnz)[0][0])
+        _fail("block_row_indices", f"layout {layout} ends at offset {int(rows[layout, -1])}, beyond block_col_indices' {max_nnz} columns")
+    listed = np.arange(max_nnz)[None, :] < rows[:, -1:]
+    bad = listed & ((cols < 0) | (cols >= max_blocks))
+    if np.any(bad):
+        layout, entry = (int(i) for i in np.argwhere(bad)[0])
+        _fail("block_col_indices", f"listed column must lie in [0, max_blocks = {max_blocks}), got {int(cols[layout, entry])} (layout {layout}, entry {entry})")
+
+
+@dataclass(frozen=True)
+class SparseAttentionCall:
+    """One validated GPU call: its shape facts and the (read-only) tensors it needs.
+
+    ``history_key``/``history_value`` hold cache rows ``[0, F)`` of every batch row, as the
+    caller's past has them: ``F == 0`` means "use what the resident cache holds" (the fast
+    check found it current), otherwise ``F >= shape.history_rows`` and the cache compares
+    them with what it holds (the exact check). ``cos_rows``/``sin_rows`` are the rotary table
+    rows of positions ``shape.rotary_window``. The layout arrays are ``None`` when the node's
+    layout is already known to the executor.
+    """
+
+    shape: CallShape
+    query: np.ndarray
+    key: np.ndarray | None
+    value: np.ndarray | None
+    history_key: np.ndarray
+    history_value: np.ndarray
+    cos_rows: np.ndarray | None = None
+    sin_rows: np.ndarray | None = None
+    block_row_indices: np.ndarray | None = None
+    block_col_indices: np.ndarray | None = None
+    #: The graph keeps this node's tensors in float16 and casts around it (model.py):
+    #: values the op creates (rotated keys) are rounded to float16 values so that the
+    #: presents survive the cast to float16 and back unchanged.
+    float16_storage: bool = False
+
+    @property
+    def has_history(self) -> bool:
+        return self.history_key.shape[2] > 0
+
+    def new_rows(self, which: str) -> np.ndarray:
+        """This call's new key or value rows from the inputs (keys not rotated), as (batch, kv head, token, head)."""
+        shape, attrs = self.shape, self.shape.attributes
+        h = shape.head_size
+        if shape.packed_qkv:
+            start = (attrs.num_heads + (attrs.kv_num_heads if which == "value" else 0)) * h
+            source = self.query[:, :, start : start + attrs.kv_num_heads * h]
+        else:
+            source = self.key if which == "key" else self.value
+        return source.reshape(shape.batch_size, shape.seq_len, attrs.kv_num_heads, h).transpose(0, 2, 1, 3)
+
+
+def _readonly(array: np.ndarray | None) -> np.ndarray | None:
+    if array is None:
+        return None
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
+def assemble_call(
+    shape: CallShape,
+    query: np.ndarray,
+    key: np.ndarray | None,
+    value: np.ndarray | None,
+    history_key: np.ndarray,
+    history_value: np.ndarray,
+    cos_rows: np.ndarray | None = None,
+    sin_rows: np.ndarray | None = None,
+    block_row_indices: np.ndarray | None = None,
+    block_col_indices: np.ndarray | None = None,
+    *,
+    float16_storage: bool = False,
+) -> SparseAttentionCall:
+    """Check the tensors against ``shape`` (the layout's content too, when given) and bundle them."""
+    b, nkv, _, h = shape.cache_shape
+    for name, history in (("past_key", history_key), ("past_value", history_value)):
+        rows = history.shape[2] if history.ndim == 4 else -1
+        if history.shape != (b, nkv, rows, h) or (0 < rows < shape.history_rows) or rows > shape.max_cache_len:
+            _fail(name, f"history rows passed to the op must have shape ({b}, {nkv}, 0 or {shape.history_rows}..{shape.max_cache_len}, {h}), got {history.shape}")
+    if history_key.shape != history_value.shape:
+        _fail("past_value", f"history rows must match past_key's {history_key.shape}, got {history_value.shape}")
+    if shape.attributes.do_rotary:
+        first, end = shape.rotary_window
+        for name, rows in (("cos_cache", cos_rows), ("sin_cache", sin_rows)):
+            expected = (end - first, shape.rotary_dim // 2)
+            if rows is None or rows.shape != expected:
+                _fail(name, f"rows of positions [{first}, {end}) must have shape {expected}, got {None if rows is None else rows.shape}")
+    if (block_row_indices is None) != (block_col_indices is None):
+        _fail("block_col_indices", "the layout's two CSR tensors must be given together")
+    if block_row_indices is not None:
+        check_layout(block_row_indices, block_col_indices)
+    return SparseAttentionCall(
+        shape=shape,
+        query=_readonly(query),
+        key=_readonly(key),
+        value=_readonly(value),
+        history_key=_readonly(history_key),
+        history_value=_readonly(history_value),
+        cos_rows=_readonly(cos_rows),
+        sin_rows=_readonly(sin_rows),
+        block_row_indices=_readonly(block_row_indices),
+        block_col_indices=_readonly(block_col_indices),
+        float16_storage=float16_storage,
+    )
+
+
+def build_call(
+    inputs: Sequence[np.ndarray] | Mapping[str, np.ndarray],
+    attributes: OpAttributes,
+    *,
+    float16_storage: bool = False,
+    with_history: bool = True,
+) -> SparseAttentionCall:
+    """One call from the operator's eleven inputs (in schema order, or a mapping by name).
+
+    Absent optional inputs (key/value when packed, cos/sin without rotary) are ``None`` or
+    empty. The call carries the history rows every batch row reads (the exact check), or
+    none with ``with_history=False`` (trust the resident cache, as after a passed fast check).
+    Raises :class:`SparseAttentionInputError` for the first rule an input breaks.
+    """
+    tensors = _collect(inputs)
+    shapes = {name: (None if tensors[name] is None else tuple(int(d) for d in tensors[name].shape)) for name in SHAPED_INPUTS}
+    shape = describe_call(attributes, shapes, tensors["total_sequence_length"], tensors["key_total_sequence_lengths"])
+    rows = shape.history_rows if with_history else 0
+    first, end = shape.rotary_window
+    rotary = shape.attributes.do_rotary
+    return assemble_call(
+        shape,
+        tensors["query"],
+        tensors["key"],
+        tensors["value"],
+        tensors["past_key"][:, :, :rows],
+        tensors["past_value"][:, :, :rows],
+        tensors["cos_cache"][first:end] if rotary else None,
+        tensors["sin_cache"][first:end] if rotary else None,
+        tensors["block_row_indices"],
+        tensors["block_col_indices"],
+        float16_storage=float16_storage,
+    )
 
 
 def _collect(inputs) -> dict[str, np.ndarray | None]:
@@ -314,8 +503,7 @@ def _collect(inputs) -> dict[str, np.ndarray | None]:
             tensors[name] = None
             continue
         array = np.asarray(value)
-        optional = name in ("key", "value", "cos_cache", "sin_cache")
-        if optional and array.size == 0:
+        if name in OPTIONAL_INPUTS and array.size == 0:
             tensors[name] = None  # the bridge's placeholder for an absent input
             continue
         expected = np.float32 if name in FLOAT_INPUTS else np.int32
@@ -323,47 +511,6 @@ def _collect(inputs) -> dict[str, np.ndarray | None]:
             _fail(name, f"must be {np.dtype(expected).name}, got {array.dtype}")
         tensors[name] = array
     for name in INPUT_NAMES:
-        required = name not in ("key", "value", "cos_cache", "sin_cache")
-        if required and tensors[name] is None:
+        if name not in OPTIONAL_INPUTS and tensors[name] is None:
             _fail(name, "is required")
     return tensors
-
-
-def _check_csr(rows: np.ndarray, cols: np.ndarray, max_blocks: int) -> None:
-    """Row offsets start at 0, never decrease and stay in the column list; listed columns lie in [0, max_blocks)."""
-    max_nnz = cols.shape[1]
-    if np.any(rows[:, 0] != 0):
-        layout = int(np.nonzero(rows[:, 0] != 0)[0][0])
-        _fail("block_row_indices", f"layout {layout} must start at offset 0, got {int(rows[layout, 0])}")
-    steps = np.diff(rows.astype(np.int64), axis=1)
-    if np.any(steps < 0):
-        layout, row = (int(i) for i in np.argwhere(steps < 0)[0])
-        _fail("block_row_indices", f"offsets must never decrease (layout {layout}, row {row}: {int(rows[layout, row])} -> {int(rows[layout, row + 1])})")
-    if np.any(rows[:, -1] > max_nnz):
-        layout = int(np.nonzero(rows[:, -1] > max_nnz)[0][0])
-        _fail("block_row_indices", f"layout {layout} ends at offset {int(rows[layout, -1])}, beyond block_col_indices' {max_nnz} columns")
-    listed = np.arange(max_nnz)[None, :] < rows[:, -1:]
-    bad = listed & ((cols < 0) | (cols >= max_blocks))
-    if np.any(bad):
-        layout, entry = (int(i) for i in np.argwhere(bad)[0])
-        _fail("block_col_indices", f"listed column must lie in [0, max_blocks = {max_blocks}), got {int(cols[layout, entry])} (layout {layout}, entry {entry})")
-
-
-def _check_rotary(tensors, attributes: OpAttributes, head_size: int, total: int) -> int:
-    cos, sin = tensors["cos_cache"], tensors["sin_cache"]
-    if not attributes.do_rotary:
-        return 0
-    if cos is None or sin is None:
-        _fail("cos_cache" if cos is None else "sin_cache", "is required when do_rotary = 1")
-    if head_size % 16:
-        _fail("query", f"head_size must be a multiple of 16 when do_rotary = 1, got {head_size}")
-    if cos.ndim != 2:
-        _fail("cos_cache", f"must have rank 2 (max_rotary_len, rotary_dim / 2), got shape {cos.shape}")
-    if sin.shape != cos.shape:
-        _fail("sin_cache", f"must have cos_cache's shape {cos.shape}, got {sin.shape}")
-    half = int(cos.shape[1])
-    if half % 8 or half == 0 or half > head_size // 2:
-        _fail("cos_cache", f"dimension 1 (rotary_dim / 2) must be a positive multiple of 8 and <= head_size / 2 = {head_size // 2}, got {half}")
-    if cos.shape[0] < total:
-        _fail("cos_cache", f"must hold at least total_sequence_length = {total} positions, got {cos.shape[0]}")
-    return 2 * half

@@ -7,6 +7,7 @@ import threading
 import numpy as np
 import onnxruntime as ort
 
+from sparse_attention_op.presents import scatter_presents
 from sparse_attention_op.reference import sparse_attention_reference
 from sparse_attention_op.spec import OpAttributes, build_call
 
@@ -43,9 +44,17 @@ def assert_matches_reference(outputs, inputs, attributes, what="", tol=TOLERANCE
     return ref
 
 
-def run_executor(executor, inputs, attributes, node_key="test"):
-    call = build_call(inputs, OpAttributes.from_mapping(attributes))
-    return executor.run(call, node_key)
+def run_executor(executor, inputs, attributes, node_key="test", float16_storage=False, **settings):
+    """(output, present_key, present_value) of one executor call, presents built on the host
+    as the graph's ScatterND nodes build them; the call's stats as ``run_executor.last_stats``."""
+    from sparse_attention_op.webgpu.executor import ExecutionSettings
+
+    call = build_call(inputs, OpAttributes.from_mapping(attributes), float16_storage=float16_storage)
+    result = executor.run(call, node_key, ExecutionSettings(**settings))
+    new_key = result.new_key if result.new_key is not None else call.new_rows("key")
+    presents = scatter_presents(inputs["past_key"], inputs["past_value"], call.shape, new_key, call.new_rows("value"))
+    run_executor.last_stats = result.stats
+    return (result.output,) + presents
 
 
 def run_ort_cpu(model, feeds):

@@ -10,11 +10,13 @@ import pytest
 
 import sparse_attention_op as sao
 from helpers import assert_close, assert_matches_reference, graph_feeds, run_in_threads, run_ort_cpu
-from sparse_attention_op.bridge import NODE_KEY_ATTRIBUTE
+from sparse_attention_op.bridge import (
+    BRIDGE_DOMAIN, CHECK_OP, KERNEL_OP, KV_CHECK_ATTRIBUTE, LAYOUT_ATTRIBUTE, NODE_KEY_ATTRIBUTE, PLAN_OP,
+)
 from sparse_attention_op.demo import build_demo_model, reference_step
 from sparse_attention_op.graphs import sparse_attention_model
 from sparse_attention_op.inputs import CaseConfig, random_inputs
-from sparse_attention_op.model import ABSENT_FLOAT, node_attributes
+from sparse_attention_op.model import node_attributes
 from sparse_attention_op.webgpu import get_executor
 
 LAYOUT = ("block_row_indices", "block_col_indices")
@@ -26,32 +28,59 @@ def model_and_inputs(config, rng, constants=LAYOUT):
 
 
 # -- prepare_model (no GPU) ----------------------------------------------------------------
-def test_prepare_model_fills_defaults_placeholders_and_identity(rng):
+def bridge_nodes(model, op_type):
+    return [n for n in model.graph.node if n.domain == BRIDGE_DOMAIN and n.op_type == op_type]
+
+
+def test_prepare_model_rewrites_the_node_around_the_bridge_ops(rng):
     config = CaseConfig(packed=True)
     model, _ = model_and_inputs(config, rng)
     node = model.graph.node[0]
     del node.attribute[:]
     node.attribute.extend([onnx.helper.make_attribute(k, v) for k, v in dict(num_heads=4, kv_num_heads=2, sparse_block_size=8).items()])
-    prepared = sao.prepare_model(model)
-    node = prepared.graph.node[0]
-    attrs = node_attributes(node)
+    prepared = sao.prepare_model(model, kv_check="fast")
+    assert not any(n.op_type == "SparseAttention" for n in prepared.graph.node)
+    (plan,), (check,), (kernel,) = (bridge_nodes(prepared, op) for op in (PLAN_OP, CHECK_OP, KERNEL_OP))
+    attrs = node_attributes(kernel)
     assert attrs["scale"] == 0.0 and attrs["do_rotary"] == 0 and attrs["rotary_interleaved"] == 0
-    assert len(node.input) == 11
-    assert [node.input[i] for i in (1, 2, 9, 10)] == [ABSENT_FLOAT] * 4
-    assert any(init.name == ABSENT_FLOAT for init in prepared.graph.initializer)
+    assert attrs[KV_CHECK_ATTRIBUTE] == b"fast" and attrs[LAYOUT_ATTRIBUTE] == b"constant"
     assert attrs[NODE_KEY_ATTRIBUTE].decode().endswith(":sparse_attention")
+    assert node_attributes(plan)[NODE_KEY_ATTRIBUTE] == attrs[NODE_KEY_ATTRIBUTE] == node_attributes(check)[NODE_KEY_ATTRIBUTE]
+    # The graph's interface is unchanged, and native nodes produce every graph output.
+    assert [i.name for i in prepared.graph.input] == [i.name for i in model.graph.input]
+    assert [o.name for o in prepared.graph.output] == [o.name for o in model.graph.output]
+    producers = {out: n for n in prepared.graph.node for out in n.output}
+    assert {producers[o.name].op_type for o in prepared.graph.output} == {"Reshape", "ScatterND"}
+    # No bridge op touches past_key/past_value directly: native nodes hand it what it needs.
+    for op in (plan, check, kernel):
+        assert not {"past_key", "past_value"} & set(op.input)
     # a fresh identity on each preparation, the original model untouched
     again = sao.prepare_model(model)
-    assert node_attributes(again.graph.node[0])[NODE_KEY_ATTRIBUTE] != attrs[NODE_KEY_ATTRIBUTE]
-    assert len(model.graph.node[0].input) == 9
+    assert node_attributes(bridge_nodes(again, KERNEL_OP)[0])[NODE_KEY_ATTRIBUTE] != attrs[NODE_KEY_ATTRIBUTE]
+    assert model.graph.node[0].op_type == "SparseAttention" and len(model.graph.node[0].input) == 9
+
+
+def test_prepare_model_marks_graph_input_layouts_per_call(rng):
+    model, _ = model_and_inputs(CaseConfig(), rng, constants=())
+    kernel = bridge_nodes(sao.prepare_model(model), KERNEL_OP)[0]
+    assert node_attributes(kernel)[LAYOUT_ATTRIBUTE] == b"per_call"
+
+
+def test_prepare_model_refuses_a_bad_constant_layout(rng):
+    model, _ = model_and_inputs(CaseConfig(), rng)
+    rows = next(i for i in model.graph.initializer if i.name == "block_row_indices")
+    array = onnx.numpy_helper.to_array(rows).copy()
+    array[0, 0] = 1
+    rows.CopyFrom(onnx.numpy_helper.from_array(array, "block_row_indices"))
+    with pytest.raises(sao.SparseAttentionError, match="block_row_indices.*start at offset 0"):
+        sao.prepare_model(model)
 
 
 def test_prepare_model_leaves_other_nodes_alone():
     model = build_demo_model()
     prepared = sao.prepare_model(model)
-    for before, after in zip(model.graph.node, prepared.graph.node):
-        if before.op_type != "SparseAttention":
-            assert before == after
+    others = [n for n in model.graph.node if n.op_type != "SparseAttention"]
+    assert others and all(node in prepared.graph.node for node in others)
 
 
 @pytest.mark.parametrize(
@@ -245,12 +274,12 @@ def test_session_state_is_freed_with_the_session(executor, rng):
 def test_finaliser_never_blocks_on_a_call_in_flight(executor, rng):
     # The garbage collector may finalise a session while another call holds the executor's
     # lock (seen as a deadlock once): the finaliser must only queue the release.
-    from sparse_attention_op.session import _release_session_state
+    from sparse_attention_op.session import _close_session
 
     session, token = session_that_ran(rng)
     done = threading.Event()
     with executor._lock:  # a call in flight
-        finaliser = threading.Thread(target=lambda: (_release_session_state(token), done.set()), daemon=True)
+        finaliser = threading.Thread(target=lambda: (_close_session(token), done.set()), daemon=True)
         finaliser.start()
         assert done.wait(timeout=10), "the finaliser blocked on the executor lock"
     assert not any(key.startswith(token) for key in executor.node_keys())

@@ -1,10 +1,18 @@
-"""GPU buffers that live across calls, and the owned staging buffers of every transfer.
+"""GPU buffers reused across calls, and the two transfers of a call (one upload, one read-back).
 
-A node's buffers are reused from call to call and only grow (by half again, so a slowly
-growing cache does not reallocate every step). Host<->GPU traffic goes through buffers we
-own and map ourselves: measured in DESIGN.md section 3, a mapped staging buffer plus a copy
-is 2-3x faster than the queue's own write_buffer and read_buffer helpers, which allocate
-a staging buffer and submit on every call.
+Measured (docs/design.md, "Measured facts"; ``scripts/measure_platform.py``):
+
+* ``queue.write_buffer`` is as fast as a staging buffer we map ourselves (H200: 16 GB/s
+  against 14 GB/s for 32 MiB) and needs no map round trip, so every upload uses it: the
+  call's small inputs packed into one write, larger ones written one by one.
+* Reading back through our own MAP_READ buffer avoids ``queue.read_buffer``'s per-call
+  allocation and submit. Mapping with ``READ_NOSYNC`` skips the empty submit wgpu-py
+  otherwise adds before every read map (the call's own submit already did the job).
+
+Buffers are named and only grow (by half again, so a slowly growing need does not
+reallocate every call). The executor keeps one :class:`BufferPool` for the transient
+buffers every call uses (they are shared by all nodes: calls run one at a time) and one
+per node for what must survive between calls.
 """
 
 from __future__ import annotations
@@ -12,22 +20,32 @@ from __future__ import annotations
 import numpy as np
 import wgpu
 
-#: Offsets inside a staging buffer: copy_buffer_to_buffer needs multiples of 4 and mapping
-#: offsets multiples of 8; 256 also keeps every section on its own cache lines.
+from .programs import BufferRange
+
+#: Offsets of sections inside one buffer: storage bindings and copies need 256-byte aligned
+#: offsets on every adapter (minStorageBufferOffsetAlignment's largest allowed value).
 ALIGNMENT = 256
 _MIN_BYTES = 16  # WebGPU refuses zero-sized bindings
+#: Uploads up to this size are packed into one write_buffer call.
+_PACK_BYTES = 1 << 18
+#: The read-back buffer is kept between calls up to this size, released after larger ones.
+_KEEP_READBACK_BYTES = 64 << 20
+
+STORAGE_IN = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_DST
+STORAGE_OUT = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC
+UNIFORM = wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST
 
 
-def _aligned(nbytes: int) -> int:
-    return -(-max(nbytes, 1) // ALIGNMENT) * ALIGNMENT
+def aligned(nbytes: int) -> int:
+    return -(-max(int(nbytes), 1) // ALIGNMENT) * ALIGNMENT
 
 
 class GpuBufferError(RuntimeError):
     """A buffer the call needs cannot exist on this adapter."""
 
 
-class BufferSet:
-    """Named device buffers of one node, grown on demand and otherwise reused."""
+class BufferPool:
+    """Named device buffers, grown on demand and otherwise reused."""
 
     def __init__(self, device, max_binding_bytes: int):
         self._device = device
@@ -40,16 +58,19 @@ class BufferSet:
         if buffer is not None and buffer.size >= nbytes and buffer.usage == usage:
             return buffer
         if nbytes > self._max_binding:
-            raise GpuBufferError(
-                f"'{name}' needs {nbytes} bytes, more than this adapter binds in one buffer ({self._max_binding} bytes)"
-            )
+            raise GpuBufferError(f"'{name}' needs {nbytes} bytes, more than this adapter binds in one buffer ({self._max_binding} bytes)")
         grown = nbytes if buffer is None else min(self._max_binding, max(nbytes, buffer.size * 3 // 2))
-        grown = -(-grown // 4) * 4
+        grown = -(-grown // ALIGNMENT) * ALIGNMENT
         if buffer is not None:
             buffer.destroy()
         buffer = self._device.create_buffer(size=grown, usage=usage, label=name)
         self._buffers[name] = buffer
         return buffer
+
+    def drop(self, name: str) -> None:
+        buffer = self._buffers.pop(name, None)
+        if buffer is not None:
+            buffer.destroy()
 
     def total_bytes(self) -> int:
         return sum(b.size for b in self._buffers.values())
@@ -61,74 +82,86 @@ class BufferSet:
 
 
 class Upload:
-    """Host arrays packed into one mapped staging buffer, then copied to their destinations.
+    """The host data of one call: sections of one input buffer, and writes into other buffers.
 
-    Usage: ``add`` every array with its destination, then ``encode`` the copies into the
-    call's command encoder (which writes the staging buffer and unmaps it).
+    ``section`` reserves an aligned section of the call's input buffer for an array and
+    returns where a kernel binds it; ``write`` targets a range of another buffer (history rows
+    into a cache). ``submit_writes`` hands everything to the queue, which applies it before
+    the call's command buffer runs.
     """
 
-    def __init__(self, buffers: BufferSet):
-        self._buffers = buffers
-        self._items: list[tuple[np.ndarray, object, int]] = []
-        self._size = 0
+    def __init__(self):
+        self._sections: list[tuple[np.ndarray, int]] = []
+        self._writes: list[tuple[np.ndarray, object, int]] = []
+        self.section_bytes = 0
 
-    def add(self, array: np.ndarray, destination, destination_offset: int = 0) -> None:
-        array = np.ascontiguousarray(array)
-        if array.nbytes == 0:
-            return
-        self._items.append((array, destination, destination_offset))
-        self._size += _aligned(array.nbytes)
+    def section(self, array: np.ndarray) -> int:
+        offset = self.section_bytes
+        self._sections.append((np.ascontiguousarray(array), offset))
+        self.section_bytes += aligned(array.nbytes)
+        return offset
+
+    def write(self, array: np.ndarray, destination, offset: int) -> None:
+        self._writes.append((np.ascontiguousarray(array), destination, offset))
 
     @property
     def nbytes(self) -> int:
         """Bytes of host data this upload moves."""
-        return sum(array.nbytes for array, _, _ in self._items)
+        return sum(a.nbytes for a, _ in self._sections) + sum(a.nbytes for a, _, _ in self._writes)
 
-    def encode(self, encoder) -> None:
-        if not self._items:
-            return
-        staging = self._buffers.get("upload_staging", self._size, wgpu.BufferUsage.MAP_WRITE | wgpu.BufferUsage.COPY_SRC)
-        staging.map_sync(wgpu.MapMode.WRITE, 0, self._size)
-        offset = 0
-        copies = []
-        for array, destination, destination_offset in self._items:
-            staging.write_mapped(array.reshape(-1).view(np.uint8), offset)
-            copies.append((offset, destination, destination_offset, -(-array.nbytes // 4) * 4))
-            offset += _aligned(array.nbytes)
-        staging.unmap()
-        for source_offset, destination, destination_offset, nbytes in copies:
-            encoder.copy_buffer_to_buffer(staging, source_offset, destination, destination_offset, nbytes)
+    def submit_writes(self, queue, inputs) -> None:
+        """Write every section into ``inputs`` and every other write to its buffer."""
+        if self._sections and self.section_bytes <= _PACK_BYTES:
+            packed = np.zeros(self.section_bytes, np.uint8)
+            for array, offset in self._sections:
+                packed[offset : offset + array.nbytes] = array.reshape(-1).view(np.uint8)
+            queue.write_buffer(inputs, 0, packed)
+        else:
+            for array, offset in self._sections:
+                _write(queue, inputs, offset, array)
+        for array, destination, offset in self._writes:
+            _write(queue, destination, offset, array)
+
+
+def _write(queue, buffer, offset: int, array: np.ndarray) -> None:
+    data = array.reshape(-1).view(np.uint8)
+    if data.nbytes % 4:  # copies move whole 4-byte words
+        data = np.concatenate([data, np.zeros(4 - data.nbytes % 4, np.uint8)])
+    queue.write_buffer(buffer, offset, data)
 
 
 class Download:
-    """GPU ranges copied into one mapped read-back buffer and read without an extra copy."""
+    """GPU ranges copied into one mapped read-back buffer, then straight into host arrays."""
 
-    def __init__(self, buffers: BufferSet):
-        self._buffers = buffers
-        self._items: list[tuple[str, object, int, int, int]] = []
+    def __init__(self, pool: BufferPool):
+        self._pool = pool
+        self._items: list[tuple[np.ndarray, BufferRange, int]] = []
         self._size = 0
         self._staging = None
 
-    def add(self, name: str, source, nbytes: int, source_offset: int = 0) -> None:
-        self._items.append((name, source, source_offset, nbytes, self._size))
-        self._size += _aligned(nbytes)
+    def add(self, destination: np.ndarray, source: BufferRange) -> None:
+        self._items.append((destination, source, self._size))
+        self._size += aligned(destination.nbytes)
 
     def encode(self, encoder) -> None:
         if not self._items:
             return
-        self._staging = self._buffers.get("download_staging", self._size, wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
-        for _, source, source_offset, nbytes, offset in self._items:
-            encoder.copy_buffer_to_buffer(source, source_offset, self._staging, offset, -(-nbytes // 4) * 4)
+        self._staging = self._pool.get("readback", self._size, wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
+        for destination, source, offset in self._items:
+            encoder.copy_buffer_to_buffer(source.buffer, source.offset, self._staging, offset, -(-destination.nbytes // 4) * 4)
 
-    def read_into(self, destinations: dict[str, np.ndarray]) -> None:
-        """Wait for the GPU, then copy each named range straight into its host array."""
+    def read(self) -> None:
+        """Wait for the GPU, then copy each range into its host array."""
         if self._staging is None:
             return
-        self._staging.map_sync(wgpu.MapMode.READ, 0, self._size)
+        # READ_NOSYNC: wgpu-py would otherwise submit an empty command buffer first, a guard
+        # for reads with no prior submit; this call's submit precedes the map.
+        self._staging.map_async("READ_NOSYNC", 0, self._size).sync_wait()
         try:
-            for name, _, _, nbytes, offset in self._items:
-                view = self._staging.read_mapped(offset, -(-nbytes // 4) * 4, copy=False)
-                target = destinations[name]
-                np.copyto(target.reshape(-1).view(np.uint8), np.frombuffer(view, dtype=np.uint8, count=nbytes))
+            for destination, _, offset in self._items:
+                view = self._staging.read_mapped(offset, -(-destination.nbytes // 4) * 4, copy=False)
+                np.copyto(destination.reshape(-1).view(np.uint8), np.frombuffer(view, np.uint8, count=destination.nbytes))
         finally:
             self._staging.unmap()
+            if self._staging.size > _KEEP_READBACK_BYTES:
+                self._pool.drop("readback")

@@ -1,15 +1,17 @@
 """Runs validated SparseAttention calls on the GPU.
 
-One call is one submit: a single mapped upload (the new tokens, the history rows the
-resident cache lacks, changed layout or rotary rows, the uniforms), the KV-append pass,
-the attention pass and a single mapped read-back of what the host needs (the output, plus
-the rotated new key rows when rotary is on). ``present_key``/``present_value`` are built on
-the host from the incoming past plus the new rows, never read back from the GPU whole.
+One call is one submit. The queue first receives the call's uploads (the query and new
+key/value rows, the cos/sin rows of its positions, the history rows the resident cache
+lacks, the layout when it changed, the uniforms); then the dispatches the kernels module
+plans run; then one read-back brings the output, and the rotated new key rows when rotary
+is on. The presents are not built here: native ONNX Runtime nodes scatter the new rows into
+the caller's past (model.py), so no cache-sized tensor passes through Python.
 
-State per node (keyed by the identity ``prepare_model`` stamps): its resident KV cache
-(kv_cache.py) and its other buffers, reused across calls and freed with the session. All
-GPU work of the process goes through one lock: the device and queue are one resource, and
-wgpu objects are not meant to be driven from several threads at once.
+State lives per node and per calling thread (:class:`NodeState`): the resident KV cache
+and the record of what it holds, the layout buffer, cached bind groups. Per thread,
+because a call is two steps (the fast cache check, then the attention op) that must see
+the same state, and ONNX Runtime runs both on the thread that called ``run``. All GPU
+work of the process goes through one lock: the device and queue are one resource.
 """
 
 from __future__ import annotations
@@ -23,126 +25,145 @@ import numpy as np
 import wgpu
 
 from ..block_plan import BlockPlan, BlockPlanCache
-from ..spec import SparseAttentionCall, SparseAttentionError
-from .buffers import BufferSet, Download, Upload
+from ..spec import CallShape, SparseAttentionCall, SparseAttentionError
+from . import kernels
+from .buffers import STORAGE_IN, STORAGE_OUT, UNIFORM, BufferPool, Download, GpuBufferError, Upload, aligned
 from .device import GpuContext, get_context
-from .kernels import MAX_WORKGROUPS_PER_DIM, Pass, attention_pass, choose_tiling, kv_append_pass, query_rotary_pass
-from .kv_cache import ResidentCache, SyncStats
+from .kv_cache import ResidentCache
 from .process_wide import ProcessWide
-from .programs import PipelineCache
-
-_STORAGE_IN = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_DST
-_STORAGE_OUT = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC
-_UNIFORM = wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST
+from .programs import BufferRange, Dispatch, PipelineCache
+from .tuning import Tuning, choose_tuning
 
 
 class GpuExecutionError(RuntimeError):
     """The GPU failed a call (device lost, out of memory, driver error); the node is reset."""
 
 
-@dataclass
-class NodeRuntime:
-    """GPU state of one SparseAttention node of one session."""
+@dataclass(frozen=True)
+class ExecutionSettings:
+    """Per-session choices (create_session's keywords); the executor holds none of its own."""
 
-    buffers: BufferSet
-    cache: ResidentCache | None = None
+    #: Time every dispatch with GPU timestamps (where the adapter has them): CallStats.gpu_seconds.
+    profile: bool = False
+    #: Keep float16-storage nodes' caches as f16 on adapters with shader-f16 (measured
+    #: faster, BENCHMARKS.md); lossless there, since every cached value is an f16 value.
+    f16_cache: bool = True
+
+
+@dataclass
+class CallStats:
+    """What one call did: for tests (what moved) and benchmarks (times)."""
+
+    seconds: float = 0.0
+    #: GPU time of each dispatch by label, when profiling (else empty).
+    gpu_seconds: dict = field(default_factory=dict)
+    upload_bytes: int = 0
+    history_rows_compared: int = 0
+    history_rows_uploaded: int = 0
+    #: Host time of the call's phases (seconds), to see where a call's time goes.
+    phases: dict = field(default_factory=dict)
+
+    @property
+    def gpu_total(self) -> float | None:
+        return sum(self.gpu_seconds.values()) if self.gpu_seconds else None
+
+
+@dataclass
+class CallResult:
+    output: np.ndarray  # (batch, sequence, num_heads * head_size)
+    new_key: np.ndarray | None  # rotated new key rows (batch, kv heads, sequence, head) when rotary is on
+    stats: CallStats
+
+
+@dataclass
+class NodeState:
+    """GPU state of one SparseAttention node for one calling thread."""
+
+    cache: ResidentCache
+    buffers: BufferPool
     uploaded_plan: BlockPlan | None = None  # the plan the block_plan buffer holds now
-    plan_buffer: object = None  # ... and the buffer it was uploaded into
-    # Bind groups by (program, bound buffer objects): the buffers are reused from call to
-    # call, so a decode step binds what the last one did. Keys hold the buffer objects
-    # themselves (identity), so a reallocated buffer can never hit a stale group.
+    # Bind groups by (program, bound ranges). Keys hold buffer identities, and the buffers
+    # are reused from call to call, so a decode step binds what the last one did.
     bind_groups: dict = field(default_factory=dict)
 
     def release(self) -> None:
         self.bind_groups.clear()
         self.buffers.release()
-        if self.cache is not None:
-            self.cache.release()
-            self.cache = None
+        self.cache.release()
 
     def gpu_bytes(self) -> int:
-        return self.buffers.total_bytes() + (self.cache.nbytes if self.cache is not None else 0)
-
-
-@dataclass
-class CallStats:
-    """What the last call did: for tests (upload volume) and benchmarks (times)."""
-
-    seconds: float = 0.0
-    gpu_seconds: float | None = None
-    upload_bytes: int = 0
-    cache: SyncStats = field(default_factory=SyncStats)
-
-
-def _new_rows(call: SparseAttentionCall, which: str) -> np.ndarray:
-    """This call's new key or value rows from the inputs, as (batch, kv_heads, seq, head)."""
-    attrs, h = call.attributes, call.head_size
-    if call.packed_qkv:
-        start = (attrs.num_heads + (attrs.kv_num_heads if which == "value" else 0)) * h
-        source = call.tensors["query"][:, :, start : start + attrs.kv_num_heads * h]
-    else:
-        source = call.tensors[which]
-    return source.reshape(call.batch_size, call.seq_len, attrs.kv_num_heads, h).transpose(0, 2, 1, 3)
+        return self.buffers.total_bytes() + self.cache.nbytes
 
 
 class WebGPUExecutor:
-    def __init__(self, context: GpuContext | None = None):
+    def __init__(self, context: GpuContext | None = None, tuning: Tuning | None = None):
         self.context = context or get_context()
+        self.tuning = tuning or choose_tuning(self.context.limits, self.context.features)
         self.pipelines = PipelineCache(self.context.device)
         self.plans = BlockPlanCache()
-        self._nodes: dict[str, NodeRuntime] = {}
+        self._states: dict[tuple[str, int], NodeState] = {}
+        #: Layouts by node key, for nodes whose layout crosses the bridge only once.
+        self._layouts: dict[str, BlockPlan] = {}
+        self._scratch = BufferPool(self.context.device, self.context.max_binding_bytes)
         self._lock = threading.Lock()
         # Sessions are finalised by the garbage collector, which can run anywhere, also
         # inside a call holding the lock: finalisers only queue their prefix here (deque
         # appends are atomic) and the next locked operation frees the state.
         self._release_queue: collections.deque[str] = collections.deque()
-        #: Benchmarks set this to time the compute work of each call with GPU timestamps
-        #: (where the adapter has them); the result lands in ``last_stats.gpu_seconds``.
-        self.profile = False
-        #: Rotate queries inside the attention pass (default) or in a pass of their own.
-        self.fuse_query_rotary = True
-        #: Keep float16-storage nodes' caches as f16 on adapters with shader-f16 (measured
-        #: faster, BENCHMARKS.md); lossless there, since every cached value is an f16 value.
-        self.f16_cache = True
-        self.last_stats = CallStats()
         self._timestamps = None
 
     # -- public -----------------------------------------------------------------------
-    def run(
-        self,
-        call: SparseAttentionCall,
-        node_key: str = "default",
-        present_out: tuple[np.ndarray, np.ndarray] | None = None,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Execute one call; returns (output, present_key, present_value) as float32.
+    def knows_layout(self, node_key: str) -> bool:
+        return node_key in self._layouts
 
-        ``present_out`` may hold two writable arrays that already contain past_key and
-        past_value and that nobody else will write (the bridge passes its own fresh copies):
-        the new rows are written into them in place, they are returned, and the node keeps
-        them as its record of what the GPU cache holds. Without it the executor allocates
-        the presents and keeps private copies for that record.
+    def cache_holds(self, node_key: str, shape: CallShape, probes: np.ndarray, probe_key: np.ndarray, probe_value: np.ndarray,
+                    float16_storage: bool = False, settings: ExecutionSettings = ExecutionSettings()) -> bool:
+        """The fast check: does this thread's cache of the node hold the call's past?
+
+        ``probes`` are the chunk indices of :func:`~sparse_attention_op.cache_record.probe_chunks`
+        and ``probe_key``/``probe_value`` their rows from the caller's past."""
+        with self._lock:
+            state = self._states.get((node_key, threading.get_ident()))
+            if state is None or not self._fits(state, shape, self._cache_dtype(float16_storage, settings)):
+                return False
+            return state.cache.record.probes_agree(shape.past_lengths, probes, probe_key, probe_value)
+
+    def chunk_rows(self, shape: CallShape, float16_storage: bool = False, settings: ExecutionSettings = ExecutionSettings()) -> int:
+        """Rows per digest chunk of this node's record (what the fast check probes)."""
+        from ..cache_record import chunk_rows_for
+
+        return chunk_rows_for(shape.head_size, np.dtype(self._cache_dtype(float16_storage, settings)).itemsize)
+
+    def run(self, call: SparseAttentionCall, node_key: str = "default", settings: ExecutionSettings = ExecutionSettings()) -> CallResult:
+        """Execute one call: the output, and the rotated new key rows when rotary is on.
+
+        Without history rows in the call, the node's cache on this thread must already hold
+        every row's past (the fast check said so); with them, the cache compares them with
+        what it holds and uploads only what differs.
         """
-        self._check_limits(call)
-        passes = self._passes(call)
-        plan = self.plans.get(call.tensors["block_row_indices"], call.tensors["block_col_indices"])
         start = time.perf_counter()
+        shape = call.shape
+        plan = self._layout_plan(call, node_key)
+        dtype = self._cache_dtype(call.float16_storage, settings)
+        self._check_limits(shape, dtype)
         with self._lock:
             self._drain_releases()
+            state_key = (node_key, threading.get_ident())
+            state = self._state(state_key, shape, dtype)
             try:
-                node = self._node(node_key, call)
-                output, new_key, stats = self._execute(call, node, plan, passes)
-                presents = self._presents(call, new_key, present_out)
-                record = presents if present_out is not None else tuple(p.copy() for p in presents)
-                node.cache.commit(call, *record)
-            except Exception as error:
-                # Whatever the GPU holds for this node is unknown now: start it afresh.
-                failed = self._nodes.pop(node_key, None)
-                if failed is not None:
-                    failed.release()
+                result = self._execute(call, state, plan, dtype, settings)
+            except wgpu.GPUError as error:
+                self._drop(state_key)
                 raise GpuExecutionError(f"SparseAttention failed on {self.context.description}: {error}") from error
-        stats.seconds = time.perf_counter() - start
-        self.last_stats = stats
-        return (output,) + presents
+            except BaseException:
+                # A host-side fault mid-call: what the GPU holds for this node is unknown
+                # now, so the node starts afresh; the fault itself is reported as it is.
+                self._drop(state_key)
+                raise
+        if call.block_row_indices is not None:
+            self._layouts[node_key] = plan
+        result.stats.seconds = time.perf_counter() - start
+        return result
 
     def release_later(self, node_key_prefix: str) -> None:
         """Queue the GPU state of every node whose key starts with the prefix for freeing.
@@ -159,177 +180,215 @@ class WebGPUExecutor:
             self._drain_releases()
 
     def node_keys(self) -> list[str]:
+        """Keys of the nodes that hold GPU state (on any thread)."""
         with self._lock:
             self._drain_releases()
-            return list(self._nodes)
+            return sorted({key for key, _ in self._states})
+
+    def node_state(self, node_key: str) -> NodeState | None:
+        """This thread's state of a node (tests look at its cache)."""
+        return self._states.get((node_key, threading.get_ident()))
 
     def gpu_bytes(self) -> int:
-        """Bytes of GPU memory held for all nodes (the soak benchmark watches it stay flat)."""
+        """Bytes of GPU memory held for all nodes and the shared buffers (soak benchmarks watch it)."""
         with self._lock:
-            return sum(node.gpu_bytes() for node in self._nodes.values())
+            return sum(state.gpu_bytes() for state in self._states.values()) + self._scratch.total_bytes()
 
     # -- steps ------------------------------------------------------------------------
     def _drain_releases(self) -> None:
         while self._release_queue:
             prefix = self._release_queue.popleft()
-            for key in [k for k in self._nodes if k.startswith(prefix)]:
-                self._nodes.pop(key).release()
+            for key in [k for k in self._states if k[0].startswith(prefix)]:
+                self._states.pop(key).release()
+            for key in [k for k in self._layouts if k.startswith(prefix)]:
+                del self._layouts[key]
 
-    def _node(self, node_key: str, call: SparseAttentionCall) -> NodeRuntime:
-        node = self._nodes.get(node_key)
-        if node is None:
-            node = NodeRuntime(BufferSet(self.context.device, self.context.max_binding_bytes))
-            self._nodes[node_key] = node
-        dtype = np.float16 if self._f16_cache(call) else np.float32
-        if node.cache is None or node.cache.shape != call.cache_shape or node.cache.dtype != dtype:
+    def _drop(self, state_key) -> None:
+        state = self._states.pop(state_key, None)
+        if state is not None:
+            state.release()
+
+    def _cache_dtype(self, float16_storage: bool, settings: ExecutionSettings):
+        f16 = settings.f16_cache and float16_storage and "shader-f16" in self.context.features
+        return np.float16 if f16 else np.float32
+
+    @staticmethod
+    def _fits(state: NodeState, shape: CallShape, dtype) -> bool:
+        cache = state.cache
+        return (cache.batch, cache.kv_heads, cache.head_size, cache.max_rows, cache.dtype) == (
+            shape.batch_size, shape.attributes.kv_num_heads, shape.head_size, shape.max_cache_len, np.dtype(dtype))
+
+    def _state(self, state_key, shape: CallShape, dtype) -> NodeState:
+        state = self._states.get(state_key)
+        if state is None or not self._fits(state, shape, dtype):
             # A new cache shape is a new cache: nothing of the old one carries over.
-            if node.cache is not None:
-                node.cache.release()
-            node.cache = ResidentCache(self.context.device, call.cache_shape, dtype)
-        return node
+            if state is not None:
+                state.release()
+            device = self.context.device
+            cache = ResidentCache(device, shape.batch_size, shape.attributes.kv_num_heads, shape.head_size, shape.max_cache_len, dtype,
+                                  self.context.max_binding_bytes)
+            state = self._states[state_key] = NodeState(cache, BufferPool(device, self.context.max_binding_bytes))
+        return state
 
-    def _f16_cache(self, call: SparseAttentionCall) -> bool:
-        return self.f16_cache and call.float16_storage and "shader-f16" in self.context.features
+    def _layout_plan(self, call: SparseAttentionCall, node_key: str) -> BlockPlan:
+        if call.block_row_indices is not None:
+            return self.plans.get(call.block_row_indices, call.block_col_indices)
+        plan = self._layouts.get(node_key)
+        if plan is None:
+            raise SparseAttentionError(f"SparseAttention node '{node_key}': the call carries no layout and none was passed before")
+        return plan
 
-    def _passes(self, call: SparseAttentionCall) -> list[Pass]:
-        tiling = choose_tiling(call, self.context.workgroup_storage_bytes, self.fuse_query_rotary)
-        f16_cache = self._f16_cache(call)
-        passes = [kv_append_pass(call, f16_cache)]
-        if call.attributes.do_rotary and not tiling.fuse_query_rotary:
-            passes.append(query_rotary_pass(call))
-        return passes + [attention_pass(call, tiling, f16_cache)]
-
-    def _check_limits(self, call: SparseAttentionCall) -> None:
+    def _check_limits(self, shape: CallShape, dtype) -> None:
         """Refuse, before any GPU work, a call whose buffers or dispatch the adapter cannot hold."""
         limit = self.context.max_binding_bytes
-        attrs = call.attributes
+        rows = min(shape.max_cache_len, max(max(shape.key_totals), shape.seq_len + shape.history_rows))
         sizes = {
-            "past_key": int(np.prod(call.cache_shape)) * (2 if self._f16_cache(call) else 4),
-            "query": call.tensors["query"].nbytes,
-            "output": int(np.prod(call.output_shape)) * 4,
+            "past_key": shape.batch_size * shape.attributes.kv_num_heads * rows * shape.head_size * np.dtype(dtype).itemsize,
+            "query": int(np.prod((shape.batch_size, shape.seq_len, shape.query_hidden))) * 4,
+            "output": int(np.prod(shape.output_shape)) * 4,
         }
         for name, nbytes in sizes.items():
             if nbytes > limit:
-                raise SparseAttentionError(
-                    f"SparseAttention input '{name}': needs a {nbytes}-byte GPU buffer, more than this adapter binds ({limit} bytes)"
-                )
-        if -(-call.seq_len // 4) > MAX_WORKGROUPS_PER_DIM or attrs.num_heads > MAX_WORKGROUPS_PER_DIM or call.batch_size > MAX_WORKGROUPS_PER_DIM:
+                raise SparseAttentionError(f"SparseAttention input '{name}': needs a {nbytes}-byte GPU buffer, more than this adapter binds ({limit} bytes)")
+        if not kernels.dispatch_limits_ok(shape, self.tuning):
             raise SparseAttentionError("SparseAttention input 'query': batch, heads or sequence exceed the GPU's dispatch limits")
 
-    def _execute(self, call: SparseAttentionCall, node: NodeRuntime, plan: BlockPlan, passes):
-        device, t = self.context.device, call.tensors
-        buffers = node.buffers
-        attrs = call.attributes
-        output = np.empty(call.output_shape, dtype=np.float32)
+    def _execute(self, call: SparseAttentionCall, state: NodeState, plan: BlockPlan, dtype, settings: ExecutionSettings) -> CallResult:
+        device, shape = self.context.device, call.shape
+        phases = {}
+        tick = time.perf_counter()
+        cache, record = state.cache, state.cache.record
+        stats = CallStats()
+
+        # 1. The resident cache: room for this call's rows, then what it lacks of the past.
+        cache.reserve(max(max(shape.key_totals), max(shape.past_lengths) + shape.seq_len))
+        upload = Upload()
+        if call.has_history:
+            plans = record.sync(shape.past_lengths, call.history_key, call.history_value)
+            cache.upload_spans(upload, plans, call.history_key, call.history_value)
+            stats.history_rows_compared = 2 * shape.attributes.kv_num_heads * sum(shape.past_lengths)
+            stats.history_rows_uploaded = plans["key"].rows + plans["value"].rows
+        else:
+            past = np.asarray(shape.past_lengths)
+            if not np.array_equal(record.valid[past > 0], past[past > 0]):
+                raise SparseAttentionError("SparseAttention: the call carries no history rows, but the resident cache does not hold its past")
+            record.valid[past == 0] = 0  # rows starting afresh (a prompt)
+        phases["sync"] = time.perf_counter() - tick
+
+        # 2. The call's inputs, as sections of one buffer.
+        tick = time.perf_counter()
+        sections = {"query": upload.section(call.query), "row_past": upload.section(np.asarray(shape.past_lengths, np.uint32))}
+        if not shape.packed_qkv:
+            sections["key_source"] = upload.section(call.key)
+            sections["value_source"] = upload.section(call.value)
+        if shape.attributes.do_rotary:
+            sections["cos_cache"] = upload.section(call.cos_rows)
+            sections["sin_cache"] = upload.section(call.sin_rows)
+        inputs = self._scratch.get("inputs", upload.section_bytes, STORAGE_IN)
+        resources = {name: BufferRange(inputs, offset) for name, offset in sections.items()}
+        if shape.packed_qkv:
+            resources["key_source"] = resources["value_source"] = resources["query"]
+        plan_buffer = state.buffers.get("block_plan", plan.nbytes, STORAGE_IN)
+        if state.uploaded_plan is not plan:
+            upload.write(plan.words, plan_buffer, 0)
+            state.uploaded_plan = plan
+        resources.update(block_plan=BufferRange(plan_buffer), key_cache=BufferRange(cache.key), value_cache=BufferRange(cache.value))
+        output = np.empty(shape.output_shape, np.float32)
+        resources["output"] = BufferRange(self._scratch.get("output", output.nbytes, STORAGE_OUT))
         new_key = None
+        if shape.attributes.do_rotary:
+            new_key = np.empty(shape.new_rows_shape, np.float32)
+            resources["new_key"] = BufferRange(self._scratch.get("new_key", new_key.nbytes, STORAGE_OUT))
+        for name, nbytes in kernels.scratch_bytes(shape, self.tuning).items():
+            resources[name] = BufferRange(self._scratch.get(name, nbytes, wgpu.BufferUsage.STORAGE))
 
-        upload = Upload(buffers)
-        cache_stats = node.cache.sync(call, upload)
-        bound = {
-            "query": buffers.get("query", t["query"].nbytes, _STORAGE_IN),
-            "key_cache": node.cache.key,
-            "value_cache": node.cache.value,
-            "row_past": buffers.get("row_past", call.batch_size * 4, _STORAGE_IN),
-            "block_plan": buffers.get("block_plan", plan.nbytes, _STORAGE_IN),
-            "output": buffers.get("output", output.nbytes, _STORAGE_OUT),
-        }
-        upload.add(t["query"], bound["query"])
-        if call.packed_qkv:
-            bound["key_source"] = bound["value_source"] = bound["query"]
-        else:
-            for name in ("key", "value"):
-                bound[f"{name}_source"] = buffers.get(name, t[name].nbytes, _STORAGE_IN)
-                upload.add(t[name], bound[f"{name}_source"])
-        upload.add(np.asarray(call.past_lengths, dtype=np.uint32), bound["row_past"])
-        # Layouts rarely change: the plan cache hands back the same object for the same
-        # layout, so identity says whether the GPU copy is current.
-        if node.uploaded_plan is not plan or node.plan_buffer is not bound["block_plan"]:
-            upload.add(plan.words, bound["block_plan"])
-            node.uploaded_plan, node.plan_buffer = plan, bound["block_plan"]
-        if attrs.do_rotary:
-            self._upload_rotary_rows(call, buffers, upload, bound)
-            new_key = np.empty((call.batch_size, attrs.kv_num_heads, call.seq_len, call.head_size), dtype=np.float32)
-            bound["new_key"] = buffers.get("new_key", new_key.nbytes, _STORAGE_OUT)
-        if any(binding.name == "q_rotated" for gpu_pass in passes for binding in gpu_pass.program.bindings):
-            bound["q_rotated"] = buffers.get("q_rotated", int(np.prod(call.output_shape)) * 4, wgpu.BufferUsage.STORAGE)
-        for gpu_pass in passes:
-            words = gpu_pass.program.pack_uniforms(gpu_pass.uniforms)
-            bound[f"uniforms:{gpu_pass.program.template}"] = uniform = buffers.get(f"uniforms:{gpu_pass.program.template}", words.nbytes, _UNIFORM)
-            upload.add(words, uniform)
+        cache_format = kernels.CacheFormat(rows=cache.rows, f16=np.dtype(dtype) == np.float16, round_keys_to_f16=call.float16_storage)
+        dispatches = kernels.call_dispatches(shape, self.tuning, cache_format, resources)
+        uniforms = self._uniforms(dispatches)
+        phases["prepare"] = time.perf_counter() - tick
 
+        # 3. One command buffer: every dispatch, then the read-back copies.
+        tick = time.perf_counter()
         encoder = device.create_command_encoder()
-        upload.encode(encoder)
-        timing = self._timestamp_writes()
-        compute = encoder.begin_compute_pass(timestamp_writes=timing)
-        for gpu_pass in passes:
-            self._dispatch(compute, gpu_pass, bound, node.bind_groups)
-        compute.end()
-        download = Download(buffers)
-        download.add("output", bound["output"], output.nbytes)
+        timed = self._encode(encoder, dispatches, uniforms, state.bind_groups, settings.profile)
+        download = Download(self._scratch)
+        download.add(output, resources["output"])
         if new_key is not None:
-            download.add("new_key", bound["new_key"], new_key.nbytes)
+            download.add(new_key, resources["new_key"])
         ticks = None
-        if timing is not None:
+        if timed:
             query_set, resolved = self._timestamps
-            encoder.resolve_query_set(query_set, 0, 2, resolved, 0)
-            ticks = np.zeros(2, dtype=np.uint64)
-            download.add("timestamps", resolved, ticks.nbytes)
+            encoder.resolve_query_set(query_set, 0, 2 * len(dispatches), resolved, 0)
+            ticks = np.zeros(2 * len(dispatches), np.uint64)
+            download.add(ticks, BufferRange(resolved))
         download.encode(encoder)
+        upload.submit_writes(device.queue, inputs)
         device.queue.submit([encoder.finish()])
-        download.read_into({"output": output, "new_key": new_key, "timestamps": ticks})
-        stats = CallStats(
-            gpu_seconds=None if ticks is None else float(ticks[1] - ticks[0]) * 1e-9,  # WebGPU timestamps are ns
-            upload_bytes=upload.nbytes,
-            cache=cache_stats,
-        )
-        return output, new_key, stats
+        phases["encode_submit"] = time.perf_counter() - tick
 
-    def _upload_rotary_rows(self, call: SparseAttentionCall, buffers: BufferSet, upload: Upload, bound: dict) -> None:
-        """Only the cos/sin rows of this call's positions: the kernels read no others."""
-        first = min(call.past_lengths)
-        end = max(call.past_lengths) + call.seq_len
-        for name in ("cos_cache", "sin_cache"):
-            table = call.tensors[name]
-            bound[name] = buffers.get(name, table.nbytes, _STORAGE_IN)
-            upload.add(table[first:end], bound[name], first * table.shape[1] * 4)
+        tick = time.perf_counter()
+        download.read()
+        phases["wait_read"] = time.perf_counter() - tick
 
-    def _timestamp_writes(self):
-        if not self.profile or "timestamp-query" not in self.context.features:
-            return None
-        if self._timestamps is None:
+        # 4. The record learns the rows this call wrote.
+        tick = time.perf_counter()
+        keys = new_key if new_key is not None else call.new_rows("key")
+        record.append(shape.past_lengths, shape.end_rows, keys, call.new_rows("value"))
+        phases["record"] = time.perf_counter() - tick
+
+        stats.upload_bytes = upload.nbytes
+        stats.phases = phases
+        if ticks is not None:
+            seconds = (ticks[1::2].astype(np.float64) - ticks[0::2]) * 1e-9  # WebGPU timestamps are ns
+            stats.gpu_seconds = {d.label: float(s) for d, s in zip(dispatches, seconds)}
+        return CallResult(output, new_key, stats)
+
+    def _uniforms(self, dispatches: list[Dispatch]) -> BufferRange:
+        """Every dispatch's uniform block in one buffer, one aligned slot each."""
+        blocks = [d.program.pack_uniforms(d.uniforms) for d in dispatches]
+        slot = max(aligned(block.nbytes) for block in blocks)
+        packed = np.zeros(slot * len(blocks) // 4, np.uint32)
+        for index, block in enumerate(blocks):
+            packed[index * slot // 4 : index * slot // 4 + block.size] = block
+        buffer = self._scratch.get("uniforms", packed.nbytes, UNIFORM)
+        self.context.device.queue.write_buffer(buffer, 0, packed)
+        return BufferRange(buffer, 0, slot)
+
+    def _encode(self, encoder, dispatches: list[Dispatch], uniforms: BufferRange, bind_groups: dict, profile: bool) -> bool:
+        """Record the dispatches: one compute pass, or one each with timestamps when profiling."""
+        timed = profile and "timestamp-query" in self.context.features
+        if timed:
+            self._ensure_timestamps(2 * len(dispatches))
+        compute = None if timed else encoder.begin_compute_pass()
+        for index, dispatch in enumerate(dispatches):
+            if timed:
+                writes = {"query_set": self._timestamps[0], "beginning_of_pass_write_index": 2 * index, "end_of_pass_write_index": 2 * index + 1}
+                compute = encoder.begin_compute_pass(timestamp_writes=writes)
+            slot = BufferRange(uniforms.buffer, index * uniforms.size, uniforms.size)
+            compiled = self.pipelines.get(dispatch.program)
+            ranges = (slot,) + dispatch.bound()
+            key = (dispatch.program.cache_key, tuple(r.key() for r in ranges))
+            group = bind_groups.get(key)
+            if group is None:
+                if len(bind_groups) > 64:  # shapes keep changing: start over rather than grow
+                    bind_groups.clear()
+                entries = [{"binding": i, "resource": {"buffer": r.buffer, "offset": r.offset, "size": r.nbytes}} for i, r in enumerate(ranges)]
+                group = bind_groups[key] = self.context.device.create_bind_group(layout=compiled.bind_group_layout, entries=entries)
+            compute.set_pipeline(compiled.pipeline)
+            compute.set_bind_group(0, group)
+            compute.dispatch_workgroups(*dispatch.workgroups)
+            if timed:
+                compute.end()
+        if not timed:
+            compute.end()
+        return timed
+
+    def _ensure_timestamps(self, count: int) -> None:
+        if self._timestamps is None or self._timestamps[0].count < count:
             device = self.context.device
-            query_set = device.create_query_set(type=wgpu.QueryType.timestamp, count=2)
-            resolved = device.create_buffer(size=16, usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC)
+            query_set = device.create_query_set(type=wgpu.QueryType.timestamp, count=max(count, 8))
+            resolved = device.create_buffer(size=8 * max(count, 8), usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC)
             self._timestamps = (query_set, resolved)
-        return {"query_set": self._timestamps[0], "beginning_of_pass_write_index": 0, "end_of_pass_write_index": 1}
-
-    def _dispatch(self, compute, gpu_pass: Pass, bound: dict, bind_groups: dict) -> None:
-        compiled = self.pipelines.get(gpu_pass.program)
-        program = gpu_pass.program
-        resources = (bound[f"uniforms:{program.template}"],) + tuple(bound[b.name] for b in program.bindings)
-        key = (program.cache_key, resources)
-        bind_group = bind_groups.get(key)
-        if bind_group is None:
-            if len(bind_groups) > 32:  # shapes keep changing: start over rather than grow
-                bind_groups.clear()
-            entries = [{"binding": index, "resource": {"buffer": buffer, "offset": 0}} for index, buffer in enumerate(resources)]
-            bind_group = bind_groups[key] = self.context.device.create_bind_group(layout=compiled.bind_group_layout, entries=entries)
-        compute.set_pipeline(compiled.pipeline)
-        compute.set_bind_group(0, bind_group)
-        compute.dispatch_workgroups(*gpu_pass.workgroups)
-
-    def _presents(self, call: SparseAttentionCall, new_key: np.ndarray | None, present_out) -> tuple[np.ndarray, np.ndarray]:
-        if present_out is None:
-            present_key = np.array(call.tensors["past_key"], dtype=np.float32, copy=True)
-            present_value = np.array(call.tensors["past_value"], dtype=np.float32, copy=True)
-        else:
-            present_key, present_value = present_out
-        keys = new_key if new_key is not None else _new_rows(call, "key")
-        values = _new_rows(call, "value")
-        for b, past in enumerate(call.past_lengths):
-            present_key[b, :, past : past + call.seq_len] = keys[b]
-            present_value[b, :, past : past + call.seq_len] = values[b]
-        return present_key, present_value
 
 
 _executor = ProcessWide(WebGPUExecutor)

@@ -19,6 +19,8 @@ import numpy as np
 import wgpu
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
+#: WebGPU's guaranteed minimum of maxComputeWorkgroupsPerDimension.
+MAX_WORKGROUPS_PER_DIM = 65535
 
 _environment = jinja2.Environment(
     loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
@@ -81,6 +83,51 @@ class Program:
                     raise OverflowError(f"{self.template}: uniform {name} = {value} does not fit u32")
                 words[index] = value
         return words
+
+
+@dataclass(frozen=True)
+class BufferRange:
+    """What one binding binds: a GPU buffer, or a 256-byte aligned range of one."""
+
+    buffer: object
+    offset: int = 0
+    size: int | None = None  # None: to the buffer's end
+
+    @property
+    def nbytes(self) -> int:
+        return (self.buffer.size - self.offset) if self.size is None else self.size
+
+    def key(self) -> tuple:
+        """Identity of what is bound (the buffer object itself, not its contents)."""
+        return (id(self.buffer), self.offset, self.size)
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """One kernel launch: a program, a buffer for each of its bindings, its uniform values
+    and its grid. Construction checks the names against the program's declarations, so a
+    binding or uniform named wrongly fails where the dispatch is declared."""
+
+    label: str
+    program: Program
+    buffers: dict
+    uniforms: dict
+    workgroups: tuple[int, int, int]
+
+    def __post_init__(self):
+        declared = [binding.name for binding in self.program.bindings]
+        if sorted(self.buffers) != sorted(declared):
+            raise ValueError(f"{self.label} ({self.program.template}): bindings {sorted(self.buffers)} do not match the declared {sorted(declared)}")
+        uniforms = [name for name, _ in self.program.uniforms]
+        if sorted(self.uniforms) != sorted(uniforms):
+            raise ValueError(f"{self.label} ({self.program.template}): uniforms {sorted(self.uniforms)} do not match the declared {sorted(uniforms)}")
+        for name, limit in zip("xyz", self.workgroups):
+            if not 0 < limit <= MAX_WORKGROUPS_PER_DIM:
+                raise ValueError(f"{self.label}: {limit} workgroups along {name} (1..{MAX_WORKGROUPS_PER_DIM})")
+
+    def bound(self) -> tuple[BufferRange, ...]:
+        """The buffers in binding order (after the uniform block)."""
+        return tuple(self.buffers[binding.name] for binding in self.program.bindings)
 
 
 @dataclass

@@ -1,0 +1,254 @@
+#!/usr/bin/env python3
+"""Measure the platform facts the design rests on (docs/design.md, "Measured facts").
+
+    python scripts/measure_platform.py                 # everything, a few seconds
+    python scripts/measure_platform.py --only wgpu     # one group: wgpu, ort, bridge, digest
+
+Every figure is a median over repeated calls after a warm-up, printed as a markdown table
+with the machine and the command, so it can be pasted into the docs as it is.
+
+- wgpu: host-side cost of the wgpu-py calls one SparseAttention call makes (encoder,
+  small writes, mapping for write and for read, with and without wgpu-py's extra submit,
+  waiting on the calling thread or on wgpu-py's poll thread).
+- ort: the native ONNX Runtime nodes that build the presents and pass history rows
+  (Slice, Gather, ScatterND in place through IO binding and with a fresh output).
+- bridge: one call of a PyOp with small inputs (the onnxruntime-extensions round trip).
+- digest: the per-chunk 64-bit digest of history rows the exact cache check computes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+
+
+def median_us(function, reps: int = 200) -> float:
+    function()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def row(name: str, micros: float, note: str = "") -> None:
+    print(f"| {name} | {micros:.1f} | {note} |", flush=True)
+
+
+def measure_wgpu() -> None:
+    import wgpu
+
+    from sparse_attention_op.webgpu.device import get_context
+
+    context = get_context()
+    device = context.device
+    print(f"\n### wgpu-py calls on {context.description}\n\n| call | us (median) | note |\n|---|---|---|")
+    usage = wgpu.BufferUsage
+    storage = device.create_buffer(size=1 << 20, usage=usage.STORAGE | usage.COPY_DST | usage.COPY_SRC)
+    other = device.create_buffer(size=1 << 20, usage=usage.STORAGE | usage.COPY_DST | usage.COPY_SRC)
+    small = np.ones(4096, np.float32)  # 16 KiB, a decode step's query at the Phi-3-small shape
+
+    row("create_command_encoder + finish + submit (empty)", median_us(lambda: device.queue.submit([device.create_command_encoder().finish()])))
+    row("queue.write_buffer 16 KiB", median_us(lambda: device.queue.write_buffer(storage, 0, small)))
+    row("queue.write_buffer 256 B", median_us(lambda: device.queue.write_buffer(storage, 0, small[:64])))
+
+    def encode_copies(n):
+        encoder = device.create_command_encoder()
+        for _ in range(n):
+            encoder.copy_buffer_to_buffer(storage, 0, other, 0, 256)
+        return encoder
+
+    base = median_us(lambda: encode_copies(0).finish())
+    row("copy_buffer_to_buffer (encode, each)", (median_us(lambda: encode_copies(20).finish()) - base) / 20)
+
+    staging_w = device.create_buffer(size=1 << 20, usage=usage.MAP_WRITE | usage.COPY_SRC)
+
+    def map_write():
+        staging_w.map_sync(wgpu.MapMode.WRITE, 0, 1 << 16)
+        staging_w.write_mapped(small, 0)
+        staging_w.unmap()
+
+    row("map_sync(WRITE) + write 16 KiB + unmap, idle buffer", median_us(map_write))
+
+    module = device.create_shader_module(code="""
+@group(0) @binding(0) var<storage, read_write> data: array<f32>;
+@compute @workgroup_size(64) fn main(@builtin(global_invocation_id) id: vec3<u32>) { data[id.x] = data[id.x] + 1.0; }
+""")
+    layout = device.create_bind_group_layout(entries=[{"binding": 0, "visibility": wgpu.ShaderStage.COMPUTE, "buffer": {"type": wgpu.BufferBindingType.storage}}])
+    pipeline = device.create_compute_pipeline(layout=device.create_pipeline_layout(bind_group_layouts=[layout]), compute={"module": module, "entry_point": "main"})
+    group = device.create_bind_group(layout=layout, entries=[{"binding": 0, "resource": {"buffer": storage, "offset": 0, "size": 1 << 20}}])
+    row("create_bind_group (1 buffer)", median_us(lambda: device.create_bind_group(layout=layout, entries=[{"binding": 0, "resource": {"buffer": storage, "offset": 0, "size": 1 << 20}}])))
+
+    def encode_dispatches(n):
+        encoder = device.create_command_encoder()
+        compute = encoder.begin_compute_pass()
+        for _ in range(n):
+            compute.set_pipeline(pipeline)
+            compute.set_bind_group(0, group)
+            compute.dispatch_workgroups(1, 1, 1)
+        compute.end()
+        return encoder
+
+    base = median_us(lambda: encode_dispatches(0).finish())
+    row("set_pipeline + set_bind_group + dispatch (encode, each)", (median_us(lambda: encode_dispatches(20).finish()) - base) / 20)
+    row("begin_compute_pass + end (empty)", base)
+
+    readback = device.create_buffer(size=1 << 16, usage=usage.MAP_READ | usage.COPY_DST)
+    out = np.empty(4096, np.float32)
+
+    def round_trip(mode: str):
+        encoder = encode_dispatches(1)
+        encoder.copy_buffer_to_buffer(storage, 0, readback, 0, out.nbytes)
+        device.queue.submit([encoder.finish()])
+        if mode == "map_sync":
+            readback.map_sync(wgpu.MapMode.READ, 0, out.nbytes)
+        else:
+            promise = readback.map_async("READ_NOSYNC", 0, out.nbytes)
+            if mode == "nosync+own poll":
+                device._poll_wait()
+            promise.sync_wait()
+        np.copyto(out.view(np.uint8), np.frombuffer(readback.read_mapped(0, out.nbytes, copy=False), np.uint8))
+        readback.unmap()
+
+    for mode in ("map_sync", "nosync", "nosync+own poll"):
+        row(f"dispatch + copy + map READ + read 16 KiB ({mode})", median_us(lambda: round_trip(mode), 300),
+            {"map_sync": "wgpu-py's default: an extra empty submit before mapping", "nosync": "waits on wgpu-py's poll thread",
+             "nosync+own poll": "wgpuDevicePoll(wait) on the calling thread"}[mode])
+
+    big = np.ones(32 << 18, np.float32)  # 32 MiB
+    big_buffer = device.create_buffer(size=big.nbytes, usage=usage.STORAGE | usage.COPY_DST | usage.COPY_SRC)
+    big_staging = device.create_buffer(size=big.nbytes, usage=usage.MAP_WRITE | usage.COPY_SRC)
+
+    def upload_big():
+        big_staging.map_sync(wgpu.MapMode.WRITE, 0, big.nbytes)
+        big_staging.write_mapped(big, 0)
+        big_staging.unmap()
+        encoder = device.create_command_encoder()
+        encoder.copy_buffer_to_buffer(big_staging, 0, big_buffer, 0, big.nbytes)
+        device.queue.submit([encoder.finish()])
+
+    seconds = median_us(upload_big, 20) * 1e-6
+    row("32 MiB upload via mapped staging", seconds * 1e6, f"{big.nbytes / seconds / 1e9:.1f} GB/s")
+    seconds = median_us(lambda: (device.queue.write_buffer(big_buffer, 0, big), device.queue.submit([])), 20) * 1e-6
+    row("32 MiB queue.write_buffer", seconds * 1e6, f"{big.nbytes / seconds / 1e9:.1f} GB/s")
+
+
+def _session(nodes, inputs, outputs, initializers=()):
+    import onnxruntime as ort
+    from onnx import helper
+
+    graph = helper.make_graph(nodes, "probe", inputs, outputs, list(initializers))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def measure_ort(capacities) -> None:
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    print(f"\n### ONNX Runtime {ort.__version__} native nodes, cache (1, 8, capacity, 128) float32\n\n| node | us (median) | note |\n|---|---|---|")
+    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    for capacity in capacities:
+        shape = [1, 8, capacity, 128]
+        past = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
+        past_value = ort.OrtValue.ortvalue_from_numpy(past)
+        slicer = _session(
+            [helper.make_node("Slice", ["past", "zero", "end", "axis"], ["rows"])],
+            [helper.make_tensor_value_info("past", f32, shape), helper.make_tensor_value_info("end", i64, [1])],
+            [helper.make_tensor_value_info("rows", f32, None)],
+            [helper.make_tensor("zero", i64, [1], [0]), helper.make_tensor("axis", i64, [1], [2])],
+        )
+        for rows in sorted({min(100, capacity), min(1000, capacity), capacity - 40}):
+            def run_slice(rows=rows):
+                binding = slicer.io_binding()
+                binding.bind_ortvalue_input("past", past_value)
+                binding.bind_cpu_input("end", np.array([rows], np.int64))
+                binding.bind_output("rows")
+                slicer.run_with_iobinding(binding)
+
+            row(f"Slice {rows} history rows of capacity {capacity}", median_us(run_slice, 50))
+        scatter = _session(
+            [helper.make_node("ScatterND", ["past", "index", "rows"], ["present"])],
+            [helper.make_tensor_value_info("past", f32, shape), helper.make_tensor_value_info("index", i64, [1, 8, 1, 3]),
+             helper.make_tensor_value_info("rows", f32, [1, 8, 1, 128])],
+            [helper.make_tensor_value_info("present", f32, shape)],
+        )
+        index = np.zeros((1, 8, 1, 3), np.int64)
+        index[..., 1] = np.arange(8)[None, :, None]
+        index[..., 2] = capacity - 41
+        new_rows = np.ones((1, 8, 1, 128), np.float32)
+
+        def scatter_in_place():
+            binding = scatter.io_binding()
+            binding.bind_ortvalue_input("past", past_value)
+            binding.bind_cpu_input("index", index)
+            binding.bind_cpu_input("rows", new_rows)
+            binding.bind_ortvalue_output("present", past_value)
+            scatter.run_with_iobinding(binding)
+
+        row(f"ScatterND 1 row, in place (IO binding), capacity {capacity}", median_us(scatter_in_place, 100))
+        row(f"ScatterND 1 row, plain run (fresh present), capacity {capacity}", median_us(lambda: scatter.run(None, {"past": past, "index": index, "rows": new_rows}), 20))
+        identity = _session([helper.make_node("Identity", ["past"], ["present"])], [helper.make_tensor_value_info("past", f32, shape)], [helper.make_tensor_value_info("present", f32, shape)])
+        row(f"Identity, plain run, capacity {capacity}", median_us(lambda: identity.run(None, {"past": past}), 20))
+
+
+def measure_bridge() -> None:
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+    from onnxruntime_extensions import PyCustomOpDef, get_library_path
+
+    from sparse_attention_op.bridge import register_array_op
+
+    register_array_op(lambda a, b: (np.zeros(2, np.int64),), op_type="SaoMeasureBridge", inputs=[PyCustomOpDef.dt_float, PyCustomOpDef.dt_int32], outputs=[PyCustomOpDef.dt_int64])
+    graph = helper.make_graph(
+        [helper.make_node("SaoMeasureBridge", ["a", "b"], ["c"], domain="ai.onnx.contrib")], "bridge",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, None), helper.make_tensor_value_info("b", TensorProto.INT32, None)],
+        [helper.make_tensor_value_info("c", TensorProto.INT64, None)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.contrib", 1)], ir_version=10)
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(get_library_path())
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    feeds = {"a": np.zeros((1, 1, 4096), np.float32), "b": np.zeros(1, np.int32)}
+    print("\n### onnxruntime-extensions PyOp\n\n| call | us (median) | note |\n|---|---|---|")
+    row("session.run of one PyOp, 16 KiB + 4 B in, 16 B out", median_us(lambda: session.run(None, feeds), 500))
+
+
+def measure_digest() -> None:
+    print("\n### numpy digest of history rows (uint64 words x odd multipliers, summed mod 2^64)\n\n| rows | us (median) | note |\n|---|---|---|")
+    rng = np.random.default_rng(0)
+    for rows in (1000, 8152):
+        history = rng.standard_normal((1, 8, rows, 128), dtype=np.float32)
+        multipliers = rng.integers(0, 2**63, 128, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+        words = history.view(np.uint64).reshape(1, 8, rows // 2, 128)
+        seconds = median_us(lambda: words @ multipliers, 30) * 1e-6
+        row(f"(1, 8, {rows}, 128) float32, 2-row chunks", seconds * 1e6, f"{history.nbytes / seconds / 1e9:.1f} GB/s")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", choices=["wgpu", "ort", "bridge", "digest"], nargs="*")
+    parser.add_argument("--capacities", type=int, nargs="*", default=[8192, 131072])
+    args = parser.parse_args()
+    groups = args.only or ["wgpu", "ort", "bridge", "digest"]
+    print(f"# {' '.join(sys.argv)}\n# {platform.node()} ({os.cpu_count()} CPUs), numpy {np.__version__}")
+    if "wgpu" in groups:
+        measure_wgpu()
+    if "ort" in groups:
+        measure_ort(args.capacities)
+    if "bridge" in groups:
+        measure_bridge()
+    if "digest" in groups:
+        measure_digest()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

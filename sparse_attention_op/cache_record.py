@@ -1,0 +1,275 @@
+"""What a resident GPU cache holds, kept on the host as digests, and the two cache checks.
+
+The GPU keeps each node's KV cache between calls. Correctness must not depend on the caller
+feeding back exactly what the op returned: a new sequence, reordered beams, an edited row,
+another thread's sequence or a restart all arrive as a past that differs from what the GPU
+holds. The record answers "does the GPU hold this past?" without a host copy of the cache:
+
+* per batch row, how many leading cache rows the GPU holds (``valid``);
+* per (batch row, kv head) and chunk of ``chunk_rows`` cache rows, a 64-bit digest of the
+  keys and one of the values.
+
+The digest of a chunk is the sum, modulo 2**64, of its 64-bit words (pairs of float32) each
+times a fixed odd multiplier of its position. It is linear, so appending rows adds their
+terms, and a change to any single word always changes it (an odd multiplier is invertible
+modulo 2**64); several changed words collide with probability about 2**-64. ``chunk_rows``
+is the smallest number of rows whose 8-byte digest stays within 1% of the bytes the cache
+itself spends on them, so the record never exceeds 1% of the cache.
+
+Two checks use it (``kv_check`` of :func:`~sparse_attention_op.create_session`):
+
+* exact: every history row crosses the bridge and is digested; only chunks whose digest
+  differs (or that the GPU never held) are uploaded. Cost follows the history.
+* fast: only probe chunks cross: the chunks holding each sequence's last rows and a few
+  spread over its history (their positions move from call to call). If the lengths or any
+  probe disagree, the call falls back to the exact check. Cost is constant. It misses a
+  change confined to rows it did not probe (an edit in the middle of a history that leaves
+  the last rows and the probed chunks alone).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+DIGEST_BYTES = 8
+#: The record's size bound, as a fraction of the bytes of the cache it describes.
+RECORD_FRACTION = 0.01
+#: The fast check's probes per batch row: chunks holding the last LAST_ROWS rows, plus
+#: SPREAD_CHUNKS chunks spread over the history (the first of them at a moving offset).
+LAST_ROWS = 8
+SPREAD_CHUNKS = 4
+#: Digesting more words than this at once is split over threads (numpy releases the GIL).
+_PARALLEL_WORDS = 1 << 19
+_GOLDEN = (math.sqrt(5) - 1) / 2
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def chunk_rows_for(head_size: int, cache_itemsize: int) -> int:
+    """Rows per digest: the fewest whose digest is at most RECORD_FRACTION of their bytes."""
+    return max(1, math.ceil(DIGEST_BYTES / (RECORD_FRACTION * head_size * cache_itemsize)))
+
+
+def _multipliers(count: int) -> np.ndarray:
+    """Fixed odd 64-bit multipliers, one per word position (the same in every process)."""
+    rng = np.random.default_rng(0x5A0C)
+    return rng.integers(0, 2**63, count, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+
+
+def _threads() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="sao-digest")
+    return _pool
+
+
+def _dot(words: np.ndarray, multipliers: np.ndarray) -> np.ndarray:
+    """words (..., k) uint64 @ multipliers (k,), wrapping modulo 2**64; large inputs in parallel."""
+    if words.size < _PARALLEL_WORDS or words.ndim < 2 or words.shape[0] < 2:
+        return words @ multipliers
+    parts = min(words.shape[0], _threads()._max_workers)
+    bounds = np.linspace(0, words.shape[0], parts + 1).astype(int)
+    pieces = _threads().map(lambda i: words[bounds[i] : bounds[i + 1]] @ multipliers, range(parts))
+    return np.concatenate(list(pieces))
+
+
+@dataclass
+class Digests:
+    """Chunk digests of row blocks, for one chunk size and head size."""
+
+    chunk_rows: int
+    head_size: int
+    multipliers: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.words_per_row = self.head_size // 2
+        self.multipliers = _multipliers(self.chunk_rows * self.words_per_row)
+
+    def of(self, rows: np.ndarray, offset: int = 0) -> np.ndarray:
+        """Digest terms of ``rows`` (lead..., n, head) float32 placed from row ``offset`` of
+        their first chunk: (lead..., chunks) uint64, one per chunk the rows touch."""
+        c, wpr = self.chunk_rows, self.words_per_row
+        lead, n = rows.shape[:-2], rows.shape[-2]
+        if rows.dtype != np.float32 or rows.strides[-1] != 4 or rows.strides[-2] != 4 * self.head_size:
+            rows = np.ascontiguousarray(rows, dtype=np.float32)
+        # Pairs of float32 as one uint64 word: any change to either float changes the word.
+        words = rows.view(np.uint64)  # (lead..., n, wpr), a view: rows are contiguous
+        parts = []
+        head = min(n, c - offset) if offset else 0
+        if head:
+            parts.append(_dot(words[..., :head, :].reshape(*lead, head * wpr), self.multipliers[offset * wpr : (offset + head) * wpr])[..., None])
+        full = (n - head) // c
+        if full:
+            block = words[..., head : head + full * c, :].reshape(*lead, full, c * wpr)
+            parts.append(_dot(block, self.multipliers))
+        tail = n - head - full * c
+        if tail:
+            parts.append(_dot(words[..., n - tail :, :].reshape(*lead, tail * wpr), self.multipliers[: tail * wpr])[..., None])
+        if not parts:
+            return np.zeros((*lead, 0), np.uint64)
+        return np.concatenate(parts, axis=-1)
+
+
+def probe_chunks(past_lengths: tuple[int, ...], chunk_rows: int, total_sequence_length: int) -> np.ndarray:
+    """Chunk indices the fast check probes per batch row: (batch, probes) int64.
+
+    The chunks holding the last LAST_ROWS history rows, and SPREAD_CHUNKS spread evenly over
+    the history from an offset that moves with the call (golden-ratio steps of the total
+    length), so successive calls look at different places. Rows without history probe
+    chunk 0 (the check ignores them).
+    """
+    last = -(-LAST_ROWS // chunk_rows) + 1  # the last rows may straddle one more chunk
+    phase = (total_sequence_length * _GOLDEN) % 1.0
+    probes = np.zeros((len(past_lengths), last + SPREAD_CHUNKS), np.int64)
+    for b, past in enumerate(past_lengths):
+        chunks = -(-past // chunk_rows)
+        if chunks == 0:
+            continue
+        tail = np.arange(chunks - last, chunks)
+        spread = ((np.arange(SPREAD_CHUNKS) + phase) * chunks / SPREAD_CHUNKS).astype(np.int64)
+        probes[b] = np.clip(np.concatenate([tail, spread]), 0, chunks - 1)
+    return probes
+
+
+def probe_row_indices(probes: np.ndarray, chunk_rows: int, kv_heads: int, max_cache_len: int) -> np.ndarray:
+    """Flat row indices into past viewed as (batch * kv_heads * max_cache_len, head): the
+    rows of every probe chunk of every (batch row, kv head), in (batch, head, probe, row) order.
+    Rows past the cache's end (a last chunk cut short) repeat its last row; they are never digested."""
+    batch = probes.shape[0]
+    rows = np.minimum(probes[:, None, :, None] * chunk_rows + np.arange(chunk_rows), max_cache_len - 1)
+    heads = (np.arange(batch)[:, None] * kv_heads + np.arange(kv_heads)[None, :]) * max_cache_len
+    return (heads[:, :, None, None] + rows).reshape(-1)
+
+
+@dataclass
+class SyncPlan:
+    """Row spans of one tensor the GPU must receive: (batch row, kv head, first row, end row)."""
+
+    spans: list[tuple[int, int, int, int]] = field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        return sum(end - first for _, _, first, end in self.spans)
+
+
+class CacheRecord:
+    """Digests of what one resident cache holds, per batch row and kv head (see module doc)."""
+
+    def __init__(self, batch: int, kv_heads: int, head_size: int, cache_itemsize: int):
+        self.batch, self.kv_heads, self.head_size = batch, kv_heads, head_size
+        self.digests = Digests(chunk_rows_for(head_size, cache_itemsize), head_size)
+        self.chunk_rows = self.digests.chunk_rows
+        self.valid = np.zeros(batch, np.int64)
+        self._chunks = {name: np.zeros((batch, kv_heads, 0), np.uint64) for name in ("key", "value")}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(array.nbytes for array in self._chunks.values()) + self.valid.nbytes
+
+    def forget(self) -> None:
+        """The GPU's content is unknown (a failed call): nothing is held."""
+        self.valid[:] = 0
+
+    def probes_agree(self, past_lengths: tuple[int, ...], probes: np.ndarray, probe_key: np.ndarray, probe_value: np.ndarray) -> bool:
+        """Fast check: lengths match and every probe chunk's digest matches the record.
+
+        ``probe_key``/``probe_value`` hold the rows of ``probes`` (batch, probes) chunks as
+        (batch, kv_heads, probes * chunk_rows, head), gathered from the caller's past.
+        """
+        c = self.chunk_rows
+        past = np.asarray(past_lengths, np.int64)
+        live = past > 0
+        if not np.array_equal(self.valid[live], past[live]):
+            return False
+        if not live.any():
+            return True
+        if probes.max(initial=0) >= self._chunks["key"].shape[2]:
+            return False
+        # Rows of a chunk at or beyond the history's end are zeroed: a zero word adds nothing
+        # to a digest, so a zero-padded chunk has the digest of its history prefix.
+        beyond = (probes[:, :, None] * c + np.arange(c)) >= past[:, None, None]  # (batch, probes, rows)
+        beyond = beyond.reshape(len(past), 1, -1, 1)
+        for name, rows in (("key", probe_key), ("value", probe_value)):
+            digests = self.digests.of(np.where(beyond, np.float32(0), rows))  # (batch, heads, probes)
+            recorded = np.take_along_axis(self._chunks[name], probes[:, None, :], axis=2)
+            if not np.array_equal(digests[live], recorded[live]):
+                return False
+        return True
+
+    def sync(self, past_lengths: tuple[int, ...], history_key: np.ndarray, history_value: np.ndarray) -> dict[str, SyncPlan]:
+        """Exact check: compare every history row with the record; adopt the incoming past.
+
+        Returns, per tensor, the row spans the GPU must receive: chunks whose digest
+        differs, and rows it never held. Afterwards the record describes the incoming past.
+        """
+        c = self.chunk_rows
+        plans = {"key": SyncPlan(), "value": SyncPlan()}
+        self._reserve(max(past_lengths, default=0))
+        for b, past in enumerate(past_lengths):
+            if past == 0:
+                self.valid[b] = 0
+                continue
+            known = min(int(self.valid[b]), past)
+            # Chunks whose row set is the same in the record and in the incoming past: every
+            # whole chunk below `known`, and the last one only if both end at the same row.
+            comparable = known // c + (1 if known == past == self.valid[b] and past % c else 0)
+            for name, history in (("key", history_key), ("value", history_value)):
+                incoming = self.digests.of(history[b, :, :past])  # (kv_heads, chunks)
+                differs = incoming[:, :comparable] != self._chunks[name][b, :, :comparable]
+                for head in range(self.kv_heads):
+                    plans[name].spans += _spans(b, head, np.flatnonzero(differs[head]), c, past)
+                    if comparable * c < past:
+                        plans[name].spans.append((b, head, comparable * c, past))
+                self._chunks[name][b, :, : incoming.shape[1]] = incoming
+            self.valid[b] = past
+        return plans
+
+    def append(self, past_lengths: tuple[int, ...], end_rows: tuple[int, ...], new_key: np.ndarray, new_value: np.ndarray) -> None:
+        """Record the rows a call wrote: rows [past, end) of each batch row (a prompt's
+        padding rows reach the cache too, but they are not history, so not recorded).
+
+        Requires ``valid[b] == past[b]`` (the check just established it)."""
+        c = self.chunk_rows
+        self._reserve(max(end_rows, default=0))
+        for b, (past, end) in enumerate(zip(past_lengths, end_rows)):
+            assert self.valid[b] == past, "the record must describe the call's past before rows are appended"
+            count = end - past
+            first = past // c
+            for name, rows in (("key", new_key), ("value", new_value)):
+                terms = self.digests.of(rows[b, :, :count], offset=past % c)
+                chunks = self._chunks[name][b]
+                if past % c == 0:
+                    chunks[:, first] = 0  # a chunk that starts here starts from nothing
+                chunks[:, first + 1 : first + terms.shape[1]] = 0
+                chunks[:, first : first + terms.shape[1]] += terms  # uint64 wraps: modulo 2**64
+            self.valid[b] = end
+
+    def _reserve(self, rows: int) -> None:
+        """Room for digests of ``rows`` rows per (batch row, kv head), grown by half again."""
+        chunks = -(-rows // self.chunk_rows)
+        have = self._chunks["key"].shape[2]
+        if chunks <= have:
+            return
+        grown = max(chunks, have * 3 // 2)
+        for name, old in self._chunks.items():
+            new = np.zeros((self.batch, self.kv_heads, grown), np.uint64)
+            new[:, :, :have] = old
+            self._chunks[name] = new
+
+
+def _spans(b: int, head: int, chunks: np.ndarray, chunk_rows: int, past: int) -> list[tuple[int, int, int, int]]:
+    """Consecutive differing chunks merged into (b, head, first row, end row) spans."""
+    spans = []
+    if chunks.size == 0:
+        return spans
+    breaks = np.flatnonzero(np.diff(chunks) > 1)
+    starts = np.concatenate(([chunks[0]], chunks[breaks + 1]))
+    ends = np.concatenate((chunks[breaks], [chunks[-1]])) + 1
+    for start, end in zip(starts, ends):
+        spans.append((b, head, int(start) * chunk_rows, min(int(end) * chunk_rows, past)))
+    return spans

@@ -1,0 +1,332 @@
+"""The resident KV cache and its two checks, through both ways users run models.
+
+Ways: ``plain`` feeds numpy pasts and feeds each present back; ``shared`` binds past and
+present to one buffer (IO binding, as ORT GenAI runs it), where the presents are written in
+place. Every step is compared with the float64 reference; the node's call statistics say how
+many history rows crossed and went to the GPU (functional checks, not timings)."""
+
+import logging
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import sparse_attention_op as sao
+from helpers import assert_close, assert_matches_reference, run_in_threads
+from sparse_attention_op.cache_record import RECORD_FRACTION, chunk_rows_for, probe_chunks
+from sparse_attention_op.graphs import sparse_attention_model
+from sparse_attention_op.inputs import CaseConfig, random_inputs
+from sparse_attention_op.reference import sparse_attention_reference
+from sparse_attention_op import GpuExecutionError
+
+pytestmark = pytest.mark.gpu
+
+CONFIG = CaseConfig(batch=3, seq_len=6, num_heads=4, kv_num_heads=2, head_size=32, max_cache_len=48,
+                    sparse_block_size=8, num_layout=2, do_rotary=True)
+LAYOUT = ("block_row_indices", "block_col_indices", "cos_cache", "sin_cache")
+MODES = ["exact", "fast"]
+WAYS = ["plain", "shared"]
+
+
+def new_session(rng, kv_check, config=CONFIG, dtype=np.float32):
+    inputs = random_inputs(config, rng)
+    inputs = {k: (v.astype(dtype) if v.dtype == np.float32 else v) for k, v in inputs.items()}
+    return sao.create_session(sparse_attention_model(config.node_attributes(), inputs, constants=LAYOUT, float_dtype=dtype), kv_check=kv_check)
+
+
+class Generation:
+    """A prompt, then decode steps; the past of each step is the cache the last one left."""
+
+    def __init__(self, session, rng, way, config=CONFIG, prompt_lengths=(6, 4, 6), dtype=np.float32):
+        self.session, self.rng, self.way, self.dtype = session, rng, way, dtype
+        self.config = CaseConfig(**{**config.__dict__, "prompt_lengths": prompt_lengths})
+        self.lengths = np.array(prompt_lengths)
+        shape = (self.config.batch, self.config.kv_num_heads, self.config.max_cache_len, self.config.head_size)
+        self.past = [rng.standard_normal(shape, dtype=np.float32).astype(dtype) for _ in range(2)]
+        self.inputs = self._inputs(self.config)
+        self.output = None
+
+    def _inputs(self, config):
+        inputs = random_inputs(config, self.rng, past=[p.astype(np.float32) for p in self.past])
+        return {k: (v.astype(self.dtype) if v.dtype == np.float32 else v) for k, v in inputs.items()}
+
+    def feeds(self):
+        return {i.name: self.inputs[i.name] for i in self.session.get_inputs()}
+
+    def step(self, check=True):
+        """Run the pending inputs, compare with the reference, prepare the next decode step."""
+        expected_inputs = {k: v.astype(np.float64) if v.dtype.kind == "f" else v for k, v in self.inputs.items()}
+        if self.way == "plain":
+            self.output, present_key, present_value = self.session.run(None, self.feeds())
+            self.past = [present_key, present_value]
+        else:
+            self.output = run_shared(self.session, self.feeds(), self.past)
+        if check:
+            tol = 1e-2 if self.dtype == np.float16 else 2e-3
+            outputs = [self.output.astype(np.float64)] + [p.astype(np.float64) for p in self.past]
+            assert_matches_reference(outputs, expected_inputs, self.config.node_attributes(), f"{self.way} step", tol)
+        stats = next(iter(self.session.last_stats().values()))
+        if self.config.past_lengths is not None:
+            self.lengths = self.lengths + 1
+        self.next()
+        return stats
+
+    def next(self):
+        """Pending inputs: one new token per row, after everything the row holds."""
+        self.config = CaseConfig(**{**self.config.__dict__, "seq_len": 1, "past_lengths": tuple(int(v) for v in self.lengths), "prompt_lengths": None})
+        self.inputs = self._inputs(self.config)
+
+
+def run_shared(session, feeds, past):
+    """IO binding with present_key/present_value bound to the past's own buffers (in place)."""
+    binding = session.io_binding()
+    values = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in zip(("past_key", "past_value"), past)}
+    for name, value in feeds.items():
+        if name in values:
+            binding.bind_ortvalue_input(name, values[name])
+        else:
+            binding.bind_cpu_input(name, np.ascontiguousarray(value))
+    binding.bind_output("output")
+    binding.bind_ortvalue_output("present_key", values["past_key"])
+    binding.bind_ortvalue_output("present_value", values["past_value"])
+    session.run_with_iobinding(binding)
+    return binding.copy_outputs_to_cpu()[0]
+
+
+@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize("kv_check", MODES)
+def test_decode_steps_move_no_history(executor, rng, kv_check, way):
+    generation = Generation(new_session(rng, kv_check), rng, way)
+    first = generation.step()
+    assert first.history_rows_compared == 0 and first.history_rows_uploaded == 0, "a prompt reads no history"
+    for _ in range(6):
+        stats = generation.step()
+        assert stats.history_rows_uploaded == 0
+        if kv_check == "fast":
+            assert stats.history_rows_compared == 0, "the fast check passed: no history row crossed"
+        else:
+            assert stats.history_rows_compared == 2 * CONFIG.kv_num_heads * int((generation.lengths - 1).sum())
+
+
+def test_shared_buffers_are_written_in_place(executor, rng):
+    generation = Generation(new_session(rng, "fast"), rng, "shared")
+    generation.step()
+    buffers = [p.__array_interface__["data"][0] for p in generation.past]
+    before = generation.past[1].copy()
+    generation.step()
+    assert [p.__array_interface__["data"][0] for p in generation.past] == buffers
+    for b, length in enumerate(generation.lengths - 1):
+        assert not np.array_equal(generation.past[1][b, :, length], before[b, :, length]), "the new row landed in the caller's buffer"
+        assert np.array_equal(np.delete(generation.past[1][b], length, axis=1), np.delete(before[b], length, axis=1)), "nothing else changed"
+
+
+@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize("kv_check", MODES)
+def test_restart_in_the_same_session(executor, rng, kv_check, way):
+    session = new_session(rng, kv_check)
+    first = Generation(session, rng, way)
+    for _ in range(3):
+        first.step()
+    second = Generation(session, rng, way, prompt_lengths=(2, 6, 5))
+    second.step()
+    for _ in range(3):
+        assert second.step().history_rows_uploaded == 0
+
+
+@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize("kv_check", MODES)
+def test_beam_reorder(executor, rng, kv_check, way):
+    generation = Generation(new_session(rng, kv_check), rng, way, prompt_lengths=(6, 6, 6))
+    generation.step()
+    generation.step()
+    order = [0, 0, 2]  # row 1 now continues beam 0; rows 0 and 2 keep their own
+    generation.past = [np.ascontiguousarray(p[order]) for p in generation.past]
+    generation.next()
+    stats = generation.step()
+    history = int(generation.lengths[1]) - 1
+    # row 1's history differs (both tensors, every kv head); rows 0 and 2 are untouched
+    assert 0 < stats.history_rows_uploaded <= 2 * CONFIG.kv_num_heads * history
+    assert generation.step().history_rows_uploaded == 0
+
+
+@pytest.mark.parametrize("kv_check", MODES)
+def test_edit_in_the_last_rows_is_caught(executor, rng, kv_check):
+    generation = Generation(new_session(rng, kv_check), rng, "plain")
+    generation.step()
+    generation.step()
+    row = int(generation.lengths[2]) - 2  # among the last rows, which the fast check probes
+    generation.past[0][2, 1, row] += 1.0
+    generation.next()
+    stats = generation.step()
+    chunk = chunk_rows_for(CONFIG.head_size, 4)
+    assert 0 < stats.history_rows_uploaded <= chunk, "only the edited chunk goes up"
+    assert generation.step().history_rows_uploaded == 0
+
+
+def test_exact_check_catches_a_single_bit_in_the_middle(executor, rng):
+    generation = Generation(new_session(rng, "exact"), rng, "plain")
+    for _ in range(3):
+        generation.step()
+    key = generation.past[0]
+    key[0, 0, 2] = np.nextafter(key[0, 0, 2], np.float32(np.inf))  # one ulp of one row
+    generation.next()
+    assert generation.step().history_rows_uploaded == chunk_rows_for(CONFIG.head_size, 4)
+
+
+def test_fast_check_misses_an_unprobed_edit_as_documented(executor, rng):
+    # The documented blind spot: a change confined to rows the fast check did not probe.
+    # The step then computes with what the GPU holds; the exact check would not miss it.
+    config = CaseConfig(**{**CONFIG.__dict__, "batch": 1, "seq_len": 60, "max_cache_len": 128})
+    generation = Generation(new_session(rng, "fast", config), rng, "plain", config=config, prompt_lengths=(60,))
+    for _ in range(3):
+        generation.step()
+    past = int(generation.lengths[0])
+    chunk = chunk_rows_for(CONFIG.head_size, 4)
+    probed = probe_chunks((past,), chunk, past + 1)[0]
+    row = next(r for r in range(past - 8) if r // chunk not in probed)
+    held = generation.past[1].copy()
+    generation.past[1][0, 0, row] += 5.0
+    generation.next()
+    generation.inputs["past_value"] = held  # the reference sees what the GPU holds ...
+    expected_inputs = dict(generation.inputs)
+    generation.inputs["past_value"] = generation.past[1]  # ... the session the edited past
+    output = generation.session.run(None, generation.feeds())[0]
+    stats = next(iter(generation.session.last_stats().values()))
+    assert stats.history_rows_compared == 0 and stats.history_rows_uploaded == 0
+    expected = sparse_attention_reference(**expected_inputs, **config.node_attributes())[0]
+    assert_close(output, expected, "output with the unprobed edit")
+
+
+@pytest.mark.parametrize("kv_check", MODES)
+def test_junk_beyond_history_is_neither_read_nor_compared(executor, rng, kv_check):
+    generation = Generation(new_session(rng, kv_check), rng, "plain")
+    generation.step()
+    for b, length in enumerate(generation.lengths):
+        generation.past[0][b, :, length + 1 :] = np.nan  # the next step writes row `length`; beyond it is junk
+        generation.past[1][b, :, length + 1 :] = np.inf
+    generation.next()
+    assert generation.step().history_rows_uploaded == 0
+
+
+@pytest.mark.parametrize("kv_check", MODES)
+def test_sequences_in_threads_and_handed_between_threads(executor, rng, kv_check):
+    session = new_session(rng, kv_check)
+    failures = []
+    generations = [Generation(session, np.random.default_rng(seed), "shared", prompt_lengths=(6, 3 + seed, 5)) for seed in range(3)]
+
+    def advance(generation, steps):
+        try:
+            for _ in range(steps):
+                generation.step()
+        except Exception as error:  # pytest does not see thread exceptions
+            failures.append(error)
+
+    run_in_threads([lambda g=g: advance(g, 4) for g in generations])
+    assert not failures, failures[0]
+    # Each sequence continues on another thread than the one that started it.
+    run_in_threads([lambda g=g: advance(g, 3) for g in reversed(generations)])
+    assert not failures, failures[0]
+
+
+@pytest.mark.parametrize("kv_check", MODES)
+def test_two_sessions_of_one_model_interleave(executor, rng, kv_check):
+    model = sparse_attention_model(CONFIG.node_attributes(), random_inputs(CONFIG, rng), constants=LAYOUT)
+    first = Generation(sao.create_session(model, kv_check=kv_check), rng, "plain")
+    second = Generation(sao.create_session(model, kv_check=kv_check), rng, "shared", prompt_lengths=(1, 2, 3))
+    for _ in range(5):
+        first.step()
+        assert second.step().history_rows_uploaded == 0
+
+
+@pytest.mark.parametrize("kv_check", MODES)
+def test_gpu_failure_raises_clearly_and_the_node_starts_afresh(executor, rng, monkeypatch, kv_check):
+    import wgpu
+
+    from sparse_attention_op.webgpu import buffers
+
+    generation = Generation(new_session(rng, kv_check), rng, "plain")
+    generation.step()
+    generation.step()
+
+    def lost(*args, **kwargs):
+        raise wgpu.GPUInternalError("simulated device loss")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(buffers.Download, "read", lost)
+        with pytest.raises(GpuExecutionError, match="simulated device loss"):
+            generation.session.run(None, generation.feeds())
+    # The failed node's GPU state was dropped: the next call re-uploads the history and is exact.
+    assert generation.step().history_rows_uploaded > 0
+    assert generation.step().history_rows_uploaded == 0
+
+
+def test_a_host_fault_is_not_reported_as_a_gpu_failure(executor, rng, monkeypatch):
+    from sparse_attention_op.webgpu import buffers
+
+    generation = Generation(new_session(rng, "fast"), rng, "plain")
+    generation.step()
+
+    def bug(*args, **kwargs):
+        raise ZeroDivisionError("a host-side bug")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(buffers.Upload, "submit_writes", bug)
+        with pytest.raises(ZeroDivisionError, match="host-side bug"):
+            generation.session.run(None, generation.feeds())
+    generation.step()  # the node starts afresh and is exact
+
+
+@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize("kv_check", MODES)
+def test_float16_chain_needs_no_reupload(executor, rng, kv_check, way):
+    # The graph stores the presents as float16 and the next past crosses as float32: the op
+    # produces float16 values for the rotated keys, or every step would re-upload history.
+    generation = Generation(new_session(rng, kv_check, dtype=np.float16), rng, way, dtype=np.float16)
+    generation.step()
+    for _ in range(4):
+        assert generation.step().history_rows_uploaded == 0
+
+
+def test_record_stays_within_one_percent_and_the_gpu_cache_follows_history(executor, rng):
+    config = CaseConfig(**{**CONFIG.__dict__, "max_cache_len": 4096, "sparse_block_size": 64})
+    for head_size, dtype in ((32, np.float32), (8 * 2, np.float16), (256, np.float32)):
+        config = CaseConfig(**{**config.__dict__, "head_size": head_size, "do_rotary": head_size % 16 == 0})
+        session = new_session(rng, "exact", config, dtype)
+        generation = Generation(session, rng, "shared", config=config, dtype=dtype)
+        for _ in range(3):
+            generation.step(check=False)
+        (node_key,) = [k for k in executor.node_keys() if k.startswith(session.sparse_attention_token)]
+        cache = executor.node_state(node_key).cache
+        cache_bytes = 2 * generation.past[0].nbytes  # the model's cache: past_key + past_value
+        assert cache.record.nbytes <= RECORD_FRACTION * cache_bytes, (head_size, dtype, cache.record.nbytes, cache_bytes)
+        assert cache.rows < 4096 // 4, "the GPU cache holds about the history, not the capacity"
+
+
+def test_wrongly_bound_output_raises_instead_of_aborting(executor, rng):
+    # IO binding whose output keeps the previous step's shape once killed the process.
+    generation = Generation(new_session(rng, "fast"), rng, "shared")
+    generation.step()
+    binding = generation.session.io_binding()
+    feeds = generation.feeds()
+    stale = ort.OrtValue.ortvalue_from_numpy(np.zeros((3, 6, CONFIG.num_heads * CONFIG.head_size), np.float32))
+    for name, value in feeds.items():
+        binding.bind_cpu_input(name, np.ascontiguousarray(value))
+    binding.bind_ortvalue_output("output", stale)
+    binding.bind_output("present_key")
+    binding.bind_output("present_value")
+    with pytest.raises(Exception, match="output|shape"):
+        generation.session.run_with_iobinding(binding)
+    generation.step()  # the session keeps working
+
+
+def test_refused_call_under_a_plain_session_raises_and_logs(executor, rng, caplog):
+    model = sparse_attention_model(CONFIG.node_attributes(), random_inputs(CONFIG, rng), constants=LAYOUT)
+    sao.register()
+    session = ort.InferenceSession(sao.prepare_model(model).SerializeToString(), sao.session.session_options(), providers=["CPUExecutionProvider"])
+    inputs = random_inputs(CONFIG, rng)
+    feeds = {i.name: inputs[i.name] for i in session.get_inputs()}
+    feeds["key_total_sequence_lengths"] = np.array([99, 6, 6], np.int32)
+    with caplog.at_level(logging.ERROR, logger="sparse_attention_op.bridge"):
+        with pytest.raises(Exception):
+            session.run(None, feeds)
+    assert any("key_total_sequence_lengths" in r.getMessage() and "sparse_attention" in r.getMessage() for r in caplog.records)
