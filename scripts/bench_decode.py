@@ -1,33 +1,40 @@
 #!/usr/bin/env python3
-"""Decode-step cost through a real ONNX Runtime session, against the bridge's copy floor.
+"""Decode steps through real ONNX Runtime sessions, against ORT's own CPU kernel and the copy floor.
 
-    python scripts/bench_decode.py                        # capacities 512..8192, short history
-    python scripts/bench_decode.py --soak 10000           # plus a soak at the first capacity
+    python scripts/bench_decode.py                      # the acceptance cases (H200: ~3 minutes)
+    python scripts/bench_decode.py --quick              # small capacities (lavapipe)
+    python scripts/bench_decode.py --soak 10000         # plus a soak: memory must stay flat
 
-One SparseAttention node at the Phi-3-small shape (32 heads over 8 kv heads, head size
-128, 64-token blocks, 32 layouts, rotary), batch 1, float32. For each cache capacity it runs
-a 64-token prompt, then --steps decode steps feeding each present back, and reports per
-step (medians): the whole session.run, the time inside the op's executor, the GPU time of
-its compute pass (timestamp queries), and two floors over the same cache tensors: ORT
-passing them through Identity, and a PyOp that hands them straight back (what the PyOp
-bridge's own copies cost: a fresh copy of each input into Python, a copy of each output
-back). The soak runs N decode calls
-(restarting the sequence whenever the cache fills) and checks that the process's resident
-memory and the GPU memory held for the node stay flat.
+One SparseAttention node at the Phi-3-small shape (32 heads over 8 kv heads, head size 128,
+64-token blocks, 16 local blocks, vertical stride 8, 32 layouts, rotary), batch 1, float32.
+Each case is (kv_check, way, capacity, history):
+
+* ``shared``: past and present bound to one buffer through IO binding, as ORT GenAI runs it;
+  the presents are written in place. ``plain``: numpy feeds, each present fed back.
+* the history is unit-scale random rows; the first steps (warm-up, not timed) bring it to
+  the GPU, later steps find it resident.
+
+Per case, medians over --steps steps: the whole ``run``; inside the op, its host time (the
+op's wall time minus its wait for the GPU) and the GPU time of its dispatches (timestamps);
+ORT's CPU kernel on the same shapes and history with shared buffers (``--ort``, on by
+default); the Identity floor (ORT passing the two cache tensors through Identity, plain run).
+A prefill case reports ``run`` minus the GPU time. The node's host record is reported
+against the cache's bytes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
 import sys
 import time
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import onnxruntime as ort
-from onnx import TensorProto, helper
 
 from bench_common import PHI3_SMALL, identity_floor_session, median_seconds
 
@@ -37,6 +44,167 @@ from sparse_attention_op.inputs import CaseConfig, random_inputs
 from sparse_attention_op.webgpu import get_executor
 
 CONSTANTS = ("block_row_indices", "block_col_indices", "cos_cache", "sin_cache")
+#: (kv_check, way, capacity, history): the acceptance table of "Generation at GPU speed".
+ACCEPTANCE = [
+    ("fast", "shared", 8192, 8152),
+    ("fast", "shared", 131072, 131000),
+    ("fast", "shared", 131072, 100),
+    ("exact", "shared", 131072, 1000),
+    ("exact", "shared", 8192, 8152),
+    ("fast", "plain", 8192, 8152),
+    ("exact", "plain", 8192, 8152),
+]
+QUICK = [
+    ("fast", "shared", 1024, 1000),
+    ("fast", "shared", 4096, 100),
+    ("exact", "shared", 4096, 1000),
+    ("fast", "plain", 1024, 1000),
+    ("exact", "plain", 1024, 1000),
+]
+
+
+@dataclass
+class Row:
+    kv_check: str
+    way: str
+    capacity: int
+    history: int
+    run_ms: float
+    op_host_ms: float
+    gpu_ms: float | None
+    ort_cpu_ms: float | None
+    identity_ms: float | None
+    record_fraction: float
+
+    def cells(self) -> list[str]:
+        def ms(value):
+            return "-" if value is None else f"{value:.3f}"
+
+        vs_ort = "-" if self.ort_cpu_ms is None else f"{self.run_ms / self.ort_cpu_ms:.2f}x"
+        vs_identity = "-" if self.identity_ms is None else f"{self.run_ms / self.identity_ms:.2f}x"
+        return [self.kv_check, self.way, str(self.capacity), str(self.history), ms(self.run_ms), ms(self.op_host_ms), ms(self.gpu_ms),
+                ms(self.ort_cpu_ms), ms(self.identity_ms), vs_ort, vs_identity, f"{100 * self.record_fraction:.2f}%"]
+
+
+HEADER = ["kv_check", "way", "capacity", "history", "run ms", "op host ms", "GPU ms", "ORT CPU ms", "Identity ms", "run / ORT CPU", "run / Identity", "record / cache"]
+
+
+class Decoder:
+    """One session decoding at a given capacity: the cache tensors, and one step at a time."""
+
+    def __init__(self, session, capacity: int, history: int, way: str, rng):
+        self.session, self.way, self.rng = session, way, rng
+        self.config = CaseConfig(seq_len=1, max_cache_len=capacity, past_lengths=(history,), **PHI3_SMALL)
+        shape = (1, self.config.kv_num_heads, capacity, self.config.head_size)
+        self.past = [rng.standard_normal(shape, dtype=np.float32) for _ in range(2)]
+        self.values = [ort.OrtValue.ortvalue_from_numpy(p) for p in self.past] if way == "shared" else None
+        self.history = history
+        self.names = [i.name for i in session.get_inputs()]
+        self.template = random_inputs(self.config, rng, past=self.past)
+
+    def feeds(self) -> dict:
+        """The next step's inputs: fresh query/key/value rows, lengths one past the history."""
+        c = self.config
+        total = np.array([self.history + 1], np.int32)
+        fresh = {name: self.rng.standard_normal(self.template[name].shape, dtype=np.float32) for name in ("query", "key", "value")}
+        return {**self.template, **fresh, "past_key": self.past[0], "past_value": self.past[1],
+                "total_sequence_length": total, "key_total_sequence_lengths": total.copy()}
+
+    def step(self) -> float:
+        feeds = self.feeds()
+        if self.way == "shared":
+            binding = self.session.io_binding()
+            for name in self.names:
+                if name in ("past_key", "past_value"):
+                    binding.bind_ortvalue_input(name, self.values[name == "past_value"])
+                else:
+                    binding.bind_cpu_input(name, feeds[name])
+            binding.bind_output("output")
+            binding.bind_ortvalue_output("present_key", self.values[0])
+            binding.bind_ortvalue_output("present_value", self.values[1])
+            start = time.perf_counter()
+            self.session.run_with_iobinding(binding)
+            seconds = time.perf_counter() - start
+        else:
+            start = time.perf_counter()
+            _, present_key, present_value = self.session.run(None, {n: feeds[n] for n in self.names})
+            seconds = time.perf_counter() - start
+            self.past = [present_key, present_value]
+        self.history = min(self.history + 1, self.config.max_cache_len - 1)
+        return seconds
+
+
+def model_for(capacity: int, rng):
+    config = CaseConfig(seq_len=1, max_cache_len=capacity, past_lengths=(1,), **PHI3_SMALL)
+    return sparse_attention_model(config.node_attributes(), random_inputs(config, rng), constants=CONSTANTS)
+
+
+def node_stats(session):
+    return next(iter(session.last_stats().values()))
+
+
+def ort_cpu_decode(model, capacity: int, history: int, steps: int, rng) -> float:
+    """ORT's own kernel, past and present bound to one buffer (how ORT GenAI runs it)."""
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    decoder = Decoder(session, capacity, history, "shared", rng)
+    decoder.step()
+    times = [decoder.step() for _ in range(steps)]
+    return statistics.median(times)
+
+
+def run_case(kv_check: str, way: str, capacity: int, history: int, args, rng) -> Row:
+    model = model_for(capacity, rng)
+    session = sao.create_session(model, kv_check=kv_check, profile=args.profile)
+    decoder = Decoder(session, capacity, history, way, rng)
+    for _ in range(3):  # the first step brings the history to the GPU
+        decoder.step()
+    runs, hosts, gpus = [], [], []
+    for _ in range(args.steps):
+        runs.append(decoder.step())
+        stats = node_stats(session)
+        hosts.append(stats.seconds - stats.phases["wait_read"])
+        if stats.gpu_total is not None:
+            gpus.append(stats.gpu_total)
+    executor = get_executor()
+    key = next(k for k in executor.node_keys() if k.startswith(session.sparse_attention_token))
+    record_bytes = executor.node_state(key).cache.record.nbytes
+    cache_bytes = 2 * decoder.past[0].nbytes
+    ort_ms = ort_cpu_decode(model, capacity, history, args.steps, rng) * 1e3 if args.ort else None
+    identity_ms = None
+    if way == "plain":
+        floor = identity_floor_session(decoder.past[0].shape)
+        identity_ms = median_seconds(lambda: floor.run(None, {"past_key": decoder.past[0], "past_value": decoder.past[1]}), args.steps) * 1e3
+    del session, decoder
+    return Row(kv_check, way, capacity, history, statistics.median(runs) * 1e3, statistics.median(hosts) * 1e3,
+               statistics.median(gpus) * 1e3 if gpus else None, ort_ms, identity_ms, record_bytes / cache_bytes)
+
+
+def prefill_case(kv_check: str, length: int, args, rng) -> dict:
+    """A prompt of ``length`` tokens with shared buffers: run minus GPU time (host overhead)."""
+    config = CaseConfig(seq_len=length, max_cache_len=length, **PHI3_SMALL)
+    inputs = random_inputs(config, rng)
+    session = sao.create_session(sparse_attention_model(config.node_attributes(), inputs, constants=CONSTANTS), kv_check=kv_check, profile=True)
+    values = {n: ort.OrtValue.ortvalue_from_numpy(inputs[n]) for n in ("past_key", "past_value")}
+    runs, gpus, phases = [], [], []
+    for _ in range(max(3, args.steps // 5)):
+        binding = session.io_binding()
+        for i in session.get_inputs():
+            if i.name in values:
+                binding.bind_ortvalue_input(i.name, values[i.name])
+            else:
+                binding.bind_cpu_input(i.name, inputs[i.name])
+        binding.bind_output("output")
+        binding.bind_ortvalue_output("present_key", values["past_key"])
+        binding.bind_ortvalue_output("present_value", values["past_value"])
+        start = time.perf_counter()
+        session.run_with_iobinding(binding)
+        runs.append(time.perf_counter() - start)
+        stats = node_stats(session)
+        gpus.append(stats.gpu_total or 0.0)
+        phases.append(stats.phases)
+    run, gpu = statistics.median(runs[1:]), statistics.median(gpus[1:])
+    phase = {k: round(statistics.median(p[k] for p in phases[1:]) * 1e3, 2) for k in phases[0]}
+    return dict(kv_check=kv_check, prompt=length, run_ms=run * 1e3, gpu_ms=gpu * 1e3, run_minus_gpu_ms=(run - gpu) * 1e3, op_phases_ms=phase)
 
 
 def rss_bytes() -> int:
@@ -44,101 +212,58 @@ def rss_bytes() -> int:
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def bridge_floor_session(cache_shape):
-    """A PyOp that hands past_key/past_value straight back: what the bridge alone costs."""
-    from onnxruntime_extensions import PyCustomOpDef, get_library_path
-
-    from sparse_attention_op.bridge import register_array_op
-
-    if not getattr(bridge_floor_session, "registered", False):
-        register_array_op(lambda k, v: (k, v), op_type="SaoBridgeFloor", inputs=[PyCustomOpDef.dt_float] * 2, outputs=[PyCustomOpDef.dt_float] * 2)
-        bridge_floor_session.registered = True
-    graph = helper.make_graph(
-        [helper.make_node("SaoBridgeFloor", ["past_key", "past_value"], ["present_key", "present_value"], domain="ai.onnx.contrib")],
-        "bridge_floor",
-        [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(cache_shape)) for n in ("past_key", "past_value")],
-        [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(cache_shape)) for n in ("present_key", "present_value")],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.contrib", 1)], ir_version=10)
-    options = ort.SessionOptions()
-    options.register_custom_ops_library(get_library_path())
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
-
-class Generation:
-    """A prompt then decode steps on one session, presents fed back."""
-
-    def __init__(self, capacity: int, prompt: int, rng):
-        self.config = CaseConfig(seq_len=prompt, max_cache_len=capacity, **PHI3_SMALL)
-        self.rng = rng
-        self.session = sao.create_session(sparse_attention_model(self.config.node_attributes(), random_inputs(self.config, rng), constants=CONSTANTS))
-        self.names = [i.name for i in self.session.get_inputs()]
-        self.restart(prompt)
-
-    def restart(self, prompt: int):
-        self.inputs = random_inputs(CaseConfig(**{**self.config.__dict__, "seq_len": prompt}), self.rng)
-        self.length = None
-
-    def step(self) -> float:
-        feeds = {n: self.inputs[n] for n in self.names}
-        start = time.perf_counter()
-        _, present_key, present_value = self.session.run(None, feeds)
-        seconds = time.perf_counter() - start
-        self.length = feeds["query"].shape[1] if self.length is None else self.length + 1
-        step = CaseConfig(**{**self.config.__dict__, "seq_len": 1, "past_lengths": (self.length,)})
-        self.inputs = random_inputs(step, self.rng, past=(present_key, present_value))
-        return seconds
+def soak(calls: int, capacity: int, rng) -> str:
+    session = sao.create_session(model_for(capacity, rng), kv_check="fast")
+    decoder = Decoder(session, capacity, 64, "shared", rng)
+    executor = get_executor()
+    marks = []
+    start = time.perf_counter()
+    for call in range(calls):
+        if decoder.history >= capacity - 2:
+            decoder.history = 64  # a new sequence over the same buffers
+        decoder.step()
+        if call in (100, calls - 1):
+            marks.append((rss_bytes(), executor.gpu_bytes()))
+    (rss0, gpu0), (rss1, gpu1) = marks[0], marks[-1]
+    return (f"soak: {calls} decode calls at capacity {capacity}: rss {rss0 / 2**20:.1f} -> {rss1 / 2**20:.1f} MiB, "
+            f"GPU buffers {gpu0 / 2**20:.1f} -> {gpu1 / 2**20:.1f} MiB, {time.perf_counter() - start:.0f} s")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--capacities", type=int, nargs="*", default=[512, 1024, 2048, 4096, 8192])
-    parser.add_argument("--prompt", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--quick", action="store_true", help="small capacities (lavapipe's 128 MiB binding limit)")
+    parser.add_argument("--steps", type=int, default=30, help="timed decode steps per case (medians)")
+    parser.add_argument("--no-ort", dest="ort", action="store_false", help="skip ORT's CPU kernel")
+    parser.add_argument("--no-profile", dest="profile", action="store_false", help="no GPU timestamps (they add a pass per dispatch)")
+    parser.add_argument("--prefill", type=int, nargs="*", default=None, help="prompt lengths for the prefill overhead case (default 8192; --quick 1024)")
+    parser.add_argument("--only", type=str, default=None, help="run only cases whose 'kv_check/way/capacity/history' contains this text")
     parser.add_argument("--soak", type=int, default=0, help="decode calls of the soak (0: none)")
+    parser.add_argument("--json", type=str, default=None)
     args = parser.parse_args()
 
     executor = get_executor()
-    executor.profile = True
     rng = np.random.default_rng(0)
-    print(f"# {' '.join(sys.argv)}\n# {platform.node()} ({os.cpu_count()} CPUs), adapter {executor.context.description}\n")
-    print("| capacity | session.run ms | op ms | GPU ms | Identity floor ms | bridge floor ms | run / Identity | run / bridge |")
-    print("|---|---|---|---|---|---|---|---|")
-    for capacity in args.capacities:
-        generation = Generation(capacity, args.prompt, rng)
-        generation.step()  # prompt (compiles shaders)
-        totals, ops, gpus = [], [], []
-        for _ in range(args.steps):
-            totals.append(generation.step())
-            ops.append(executor.last_stats.seconds)
-            gpus.append(executor.last_stats.gpu_seconds)
-        shape = generation.inputs["past_key"].shape
-        floor_feeds = {n: generation.inputs[n] for n in ("past_key", "past_value")}
-        floor_ms, bridge_ms = (
-            median_seconds(lambda session=session: session.run(None, floor_feeds), args.steps) * 1e3
-            for session in (identity_floor_session(shape), bridge_floor_session(shape))
-        )
-        run_ms, op_ms = (statistics.median(v) * 1e3 for v in (totals, ops))
-        gpu_ms = "-" if gpus[0] is None else f"{statistics.median(gpus) * 1e3:.3f}"
-        print(f"| {capacity} | {run_ms:.2f} | {op_ms:.2f} | {gpu_ms} | {floor_ms:.2f} | {bridge_ms:.2f} | {run_ms / floor_ms:.2f}x | {run_ms / bridge_ms:.2f}x |", flush=True)
-
+    machine = f"{platform.node()} ({os.cpu_count()} CPUs), adapter {executor.context.description}, onnxruntime {ort.__version__}"
+    print(f"# {' '.join(sys.argv)}\n# {machine}\n")
+    print("| " + " | ".join(HEADER) + " |\n|" + "---|" * len(HEADER), flush=True)
+    rows = []
+    for case in QUICK if args.quick else ACCEPTANCE:
+        if args.only and args.only not in "/".join(map(str, case)):
+            continue
+        row = run_case(*case, args, rng)
+        rows.append(row)
+        print("| " + " | ".join(row.cells()) + " |", flush=True)
+    prefills = []
+    for length in args.prefill if args.prefill is not None else ([1024] if args.quick else [8192]):
+        prefills.append(prefill_case("fast", length, args, rng))
+        p = prefills[-1]
+        print(f"\nprefill {p['prompt']}, shared buffers: run {p['run_ms']:.1f} ms, GPU {p['gpu_ms']:.1f} ms, "
+              f"run minus GPU {p['run_minus_gpu_ms']:.1f} ms; op phases (ms): {p['op_phases_ms']}", flush=True)
     if args.soak:
-        capacity = args.capacities[0]
-        generation = Generation(capacity, args.prompt, rng)
-        executor.profile = False
-        rss, gpu = [], []
-        start = time.perf_counter()
-        for call in range(args.soak):
-            if generation.length is not None and generation.length >= capacity - 1:
-                generation.restart(args.prompt)
-            generation.step()
-            if call == 100 or call == args.soak - 1:  # after warm-up, and at the end
-                rss.append(rss_bytes())
-                gpu.append(executor.gpu_bytes())
-            if (call + 1) % 1000 == 0:
-                print(f"soak: {call + 1}/{args.soak} calls, {time.perf_counter() - start:.0f} s, rss {rss_bytes() / 2**20:.1f} MiB", file=sys.stderr, flush=True)
-        print(f"\nsoak: {args.soak} decode calls at capacity {capacity}: rss {rss[0] / 2**20:.1f} -> {rss[-1] / 2**20:.1f} MiB, "
-              f"GPU buffers {gpu[0] / 2**20:.1f} -> {gpu[-1] / 2**20:.1f} MiB, {time.perf_counter() - start:.0f} s")
+        print("\n" + soak(args.soak, 1024 if args.quick else 8192, rng), flush=True)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"command": " ".join(sys.argv), "machine": machine, "decode": [asdict(r) for r in rows], "prefill": prefills}, handle, indent=2)
     return 0
 
 

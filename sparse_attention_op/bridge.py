@@ -151,7 +151,8 @@ _node_infos: dict[tuple, NodeInfo] = {}
 
 
 def node_info(attributes: dict) -> NodeInfo:
-    key = tuple(sorted(attributes.items()))
+    """Parse the attributes as the bridge delivers them (strings), once per distinct set."""
+    key = tuple(attributes.items())
     info = _node_infos.get(key)
     if info is None:
         raw = dict(attributes)
@@ -178,8 +179,19 @@ def _shapes(arrays) -> dict:
     return shapes
 
 
+_described: dict[tuple, CallShape] = {}
+
+
 def _describe(info: NodeInfo, shape_arrays, total, key_totals) -> CallShape:
-    return describe_call(info.attributes, _shapes(shape_arrays), total, key_totals)
+    """describe_call, remembered: the three ops of one node see the same shapes and lengths."""
+    key = (info.attributes, tuple(tuple(a.tolist()) for a in shape_arrays), total.tobytes(), total.shape, key_totals.tobytes(), key_totals.shape)
+    shape = _described.get(key)
+    if shape is None:
+        shape = describe_call(info.attributes, _shapes(shape_arrays), total, key_totals)
+        if len(_described) > 256:
+            _described.clear()
+        _described[key] = shape
+    return shape
 
 
 def _executor():
@@ -274,7 +286,7 @@ def kernel_op(query, key, value, history_key, history_value, block_rows, block_c
         block_cols if layout_given else None,
         float16_storage=info.float16_storage,
     )
-    result = _executor().run(call, info.node_key, _settings(info))
+    result = _executor().run(call, info.node_key, _settings(info), reuse_host_arrays=True)
     records.record_stats(info.token, info.node_key, result.stats)
     new_key = result.new_key if result.new_key is not None else np.zeros(0, np.float32)
     return result.output, new_key, scatter_indices(shape)
@@ -289,6 +301,7 @@ def _kernel_poison(inputs):
 class _ArrayOp:
     opdef: object
     poison: object  # inputs -> outputs that make the next native node fail, or None
+    raw_attributes: bool = False  # the body takes the attribute strings as delivered
 
 
 _register_lock = threading.RLock()
@@ -303,7 +316,9 @@ def _invoke(k_id, feed, attributes):
     if op is None:
         return _ortx_compat.stock_invocation(k_id, feed, attributes)
     try:
-        outputs = _as_fetch(op.opdef.body(*feed, **op.opdef.cast_attributes(attributes)))
+        # Our own ops parse the attribute strings themselves (once per node, see node_info).
+        arguments = attributes if op.raw_attributes else op.opdef.cast_attributes(attributes)
+        outputs = _as_fetch(op.opdef.body(*feed, **arguments))
     except BaseException as error:  # noqa: BLE001 - anything escaping here aborts the process
         node_key = str(attributes.get(NODE_KEY_ATTRIBUTE, ""))
         token = session_token(node_key)
@@ -328,7 +343,7 @@ def _as_fetch(outputs) -> tuple:
     return tuple(fetch)
 
 
-def register_array_op(function, poison=None, **declaration):
+def register_array_op(function, poison=None, raw_attributes=False, **declaration):
     """Register a PyOp (``onnx_op`` arguments) whose outputs cross as numpy arrays.
 
     ``poison(inputs)`` gives the outputs of a call whose body raised (see the module doc);
@@ -336,7 +351,7 @@ def register_array_op(function, poison=None, **declaration):
     """
     with _register_lock:
         opdef = onnx_op(**declaration)(function)
-        _array_ops[opdef._id] = _ArrayOp(opdef, poison)
+        _array_ops[opdef._id] = _ArrayOp(opdef, poison, raw_attributes)
         _ortx_compat.install_invocation_hook(_invoke)
         return opdef
 
@@ -348,7 +363,7 @@ def register() -> None:
         if _registered:
             return
         _ortx_compat.check_version()
-        common = dict(attrs=_ATTRIBUTE_TYPES)
+        common = dict(attrs=_ATTRIBUTE_TYPES, raw_attributes=True)
         register_array_op(plan_op, _plan_poison, op_type=f"{BRIDGE_DOMAIN}::{PLAN_OP}", inputs=_SHAPES + [_I32, _I32],
                           outputs=[_I64] * 7, **common)
         register_array_op(check_op, _check_poison, op_type=f"{BRIDGE_DOMAIN}::{CHECK_OP}", inputs=[_F, _F] + _SHAPES + [_I32, _I32],

@@ -30,11 +30,11 @@ Two checks use it (``kv_check`` of :func:`~sparse_attention_op.create_session`):
 from __future__ import annotations
 
 import math
-import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from . import host_threads
 
 DIGEST_BYTES = 8
 #: The record's size bound, as a fraction of the bytes of the cache it describes.
@@ -46,8 +46,6 @@ SPREAD_CHUNKS = 4
 #: Digesting more words than this at once is split over threads (numpy releases the GIL).
 _PARALLEL_WORDS = 1 << 19
 _GOLDEN = (math.sqrt(5) - 1) / 2
-
-_pool: ThreadPoolExecutor | None = None
 
 
 def chunk_rows_for(head_size: int, cache_itemsize: int) -> int:
@@ -61,21 +59,12 @@ def _multipliers(count: int) -> np.ndarray:
     return rng.integers(0, 2**63, count, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
 
 
-def _threads() -> ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="sao-digest")
-    return _pool
-
-
 def _dot(words: np.ndarray, multipliers: np.ndarray) -> np.ndarray:
     """words (..., k) uint64 @ multipliers (k,), wrapping modulo 2**64; large inputs in parallel."""
     if words.size < _PARALLEL_WORDS or words.ndim < 2 or words.shape[0] < 2:
         return words @ multipliers
-    parts = min(words.shape[0], _threads()._max_workers)
-    bounds = np.linspace(0, words.shape[0], parts + 1).astype(int)
-    pieces = _threads().map(lambda i: words[bounds[i] : bounds[i + 1]] @ multipliers, range(parts))
-    return np.concatenate(list(pieces))
+    ranges = host_threads.split(words.shape[0], host_threads.workers())
+    return np.concatenate(list(host_threads.pool().map(lambda r: words[r[0] : r[1]] @ multipliers, ranges)))
 
 
 @dataclass
@@ -160,8 +149,8 @@ class SyncPlan:
 class CacheRecord:
     """Digests of what one resident cache holds, per batch row and kv head (see module doc)."""
 
-    def __init__(self, batch: int, kv_heads: int, head_size: int, cache_itemsize: int):
-        self.batch, self.kv_heads, self.head_size = batch, kv_heads, head_size
+    def __init__(self, batch: int, kv_heads: int, head_size: int, cache_itemsize: int, max_rows: int):
+        self.batch, self.kv_heads, self.head_size, self.max_rows = batch, kv_heads, head_size, max_rows
         self.digests = Digests(chunk_rows_for(head_size, cache_itemsize), head_size)
         self.chunk_rows = self.digests.chunk_rows
         self.valid = np.zeros(batch, np.int64)
@@ -250,12 +239,13 @@ class CacheRecord:
             self.valid[b] = end
 
     def _reserve(self, rows: int) -> None:
-        """Room for digests of ``rows`` rows per (batch row, kv head), grown by half again."""
+        """Room for digests of ``rows`` rows per (batch row, kv head), grown by half again
+        (never beyond the cache's max_rows, which keeps the record within RECORD_FRACTION)."""
         chunks = -(-rows // self.chunk_rows)
         have = self._chunks["key"].shape[2]
         if chunks <= have:
             return
-        grown = max(chunks, have * 3 // 2)
+        grown = min(max(chunks, have * 3 // 2), -(-self.max_rows // self.chunk_rows))
         for name, old in self._chunks.items():
             new = np.zeros((self.batch, self.kv_heads, grown), np.uint64)
             new[:, :, :have] = old

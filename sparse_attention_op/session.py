@@ -32,8 +32,10 @@ def session_options(sess_options: ort.SessionOptions | None = None) -> ort.Sessi
 
     Sequential execution keeps each node on the thread that called ``run``: the cache
     check and the kernel of one node must see the same per-thread state, and a refused
-    call's error finds its way back to that ``run``.
+    call's error finds its way back to that ``run``. The bridge's ops are registered first:
+    the library lists the PyOps defined when it is added to the options.
     """
+    register()
     options = sess_options if sess_options is not None else ort.SessionOptions()
     try:
         options.get_session_config_entry(_REGISTERED_MARK)

@@ -270,7 +270,7 @@ def test_a_host_fault_is_not_reported_as_a_gpu_failure(executor, rng, monkeypatc
         raise ZeroDivisionError("a host-side bug")
 
     with monkeypatch.context() as patch:
-        patch.setattr(buffers.Upload, "submit_writes", bug)
+        patch.setattr(buffers.Upload, "encode", bug)
         with pytest.raises(ZeroDivisionError, match="host-side bug"):
             generation.session.run(None, generation.feeds())
     generation.step()  # the node starts afresh and is exact

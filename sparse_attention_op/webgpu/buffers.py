@@ -2,9 +2,10 @@
 
 Measured (docs/design.md, "Measured facts"; ``scripts/measure_platform.py``):
 
-* ``queue.write_buffer`` is as fast as a staging buffer we map ourselves (H200: 16 GB/s
-  against 14 GB/s for 32 MiB) and needs no map round trip, so every upload uses it: the
-  call's small inputs packed into one write, larger ones written one by one.
+* ``queue.write_buffer`` needs no map round trip, so small uploads use it: the call's
+  small inputs packed into one write. For large ones wgpu allocates a fresh staging buffer
+  per write, which a VM faults in page by page; a staging buffer we keep mapped between
+  calls and fill with parallel copies avoids that.
 * Reading back through our own MAP_READ buffer avoids ``queue.read_buffer``'s per-call
   allocation and submit. Mapping with ``READ_NOSYNC`` skips the empty submit wgpu-py
   otherwise adds before every read map (the call's own submit already did the job).
@@ -17,9 +18,12 @@ per node for what must survive between calls.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import wgpu
 
+from .. import host_threads
 from .programs import BufferRange
 
 #: Offsets of sections inside one buffer: storage bindings and copies need 256-byte aligned
@@ -28,8 +32,13 @@ ALIGNMENT = 256
 _MIN_BYTES = 16  # WebGPU refuses zero-sized bindings
 #: Uploads up to this size are packed into one write_buffer call.
 _PACK_BYTES = 1 << 18
-#: The read-back buffer is kept between calls up to this size, released after larger ones.
-_KEEP_READBACK_BYTES = 64 << 20
+#: Uploads above this size go through our own mapped staging buffer (measured on the H200
+#: host: fresh staging memory faults in at a few GB/s; SAO_STAGING_BYTES overrides, for
+#: measuring the two paths).
+STAGING_BYTES = int(os.environ.get("SAO_STAGING_BYTES", 4 << 20))
+#: The upload staging buffer is kept between calls up to this size; larger uploads (a long
+#: history fetched once) get a buffer of their own, freed after the call.
+_KEEP_STAGING_BYTES = 512 << 20
 
 STORAGE_IN = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_DST
 STORAGE_OUT = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC
@@ -86,8 +95,10 @@ class Upload:
 
     ``section`` reserves an aligned section of the call's input buffer for an array and
     returns where a kernel binds it; ``write`` targets a range of another buffer (history rows
-    into a cache). ``submit_writes`` hands everything to the queue, which applies it before
-    the call's command buffer runs.
+    into a cache). ``encode`` moves everything before the call's dispatches: small uploads
+    through ``queue.write_buffer`` (one packed write for the sections), large ones through a
+    staging buffer we keep mapped-for-write between calls and fill with parallel copies
+    (fresh memory is slow to fault in, in VMs above all; a kept buffer is warm).
     """
 
     def __init__(self):
@@ -109,18 +120,50 @@ class Upload:
         """Bytes of host data this upload moves."""
         return sum(a.nbytes for a, _ in self._sections) + sum(a.nbytes for a, _, _ in self._writes)
 
-    def submit_writes(self, queue, inputs) -> None:
-        """Write every section into ``inputs`` and every other write to its buffer."""
-        if self._sections and self.section_bytes <= _PACK_BYTES:
+    def encode(self, device, encoder, pool: BufferPool, inputs) -> None:
+        """Queue every section into ``inputs`` and every write into its buffer, ahead of the
+        dispatches the caller encodes next."""
+        items = [(array, inputs, offset) for array, offset in self._sections] + self._writes
+        total = sum(aligned(array.nbytes) for array, _, _ in items)
+        if total > STAGING_BYTES:
+            self._through_staging(items, total, device, encoder, pool)
+        elif self._sections and self.section_bytes <= _PACK_BYTES:
             packed = np.zeros(self.section_bytes, np.uint8)
             for array, offset in self._sections:
                 packed[offset : offset + array.nbytes] = array.reshape(-1).view(np.uint8)
-            queue.write_buffer(inputs, 0, packed)
+            device.queue.write_buffer(inputs, 0, packed)
+            for array, destination, offset in self._writes:
+                _write(device.queue, destination, offset, array)
         else:
-            for array, offset in self._sections:
-                _write(queue, inputs, offset, array)
-        for array, destination, offset in self._writes:
-            _write(queue, destination, offset, array)
+            for array, destination, offset in items:
+                _write(device.queue, destination, offset, array)
+
+    @staticmethod
+    def _through_staging(items, total: int, device, encoder, pool: BufferPool) -> None:
+        kept = total <= _KEEP_STAGING_BYTES
+        usage = wgpu.BufferUsage.MAP_WRITE | wgpu.BufferUsage.COPY_SRC
+        staging = pool.get("upload", total, usage) if kept else device.create_buffer(size=aligned(total), usage=usage)
+        staging.map_async(wgpu.MapMode.WRITE, 0, aligned(total)).sync_wait()
+        mapped = _mapped_bytes(staging, aligned(total))
+        offset = 0
+        for array, destination, destination_offset in items:
+            data = array.reshape(-1).view(np.uint8)
+            host_threads.copy(mapped[offset : offset + data.nbytes], data)
+            offset += aligned(data.nbytes)
+        del mapped
+        staging.unmap()
+        offset = 0
+        for array, destination, destination_offset in items:
+            encoder.copy_buffer_to_buffer(staging, offset, destination, destination_offset, -(-array.nbytes // 4) * 4)
+            offset += aligned(array.nbytes)
+        if not kept:
+            staging.destroy()  # after the copies that read it complete
+
+
+def _mapped_bytes(buffer, size: int) -> np.ndarray:
+    """A writable uint8 view of a buffer mapped for writing (wgpu-py offers no public one:
+    write_mapped copies under the GIL, which rules out parallel copies)."""
+    return np.frombuffer(buffer._experimental_get_mapped_range(0, size), np.uint8)
 
 
 def _write(queue, buffer, offset: int, array: np.ndarray) -> None:
@@ -131,7 +174,10 @@ def _write(queue, buffer, offset: int, array: np.ndarray) -> None:
 
 
 class Download:
-    """GPU ranges copied into one mapped read-back buffer, then straight into host arrays."""
+    """GPU ranges copied into one mapped read-back buffer, then straight into host arrays.
+
+    The read-back buffer is kept between calls (a fresh one would fault its pages in on
+    every large call), sized by the largest call so far."""
 
     def __init__(self, pool: BufferPool):
         self._pool = pool
@@ -160,8 +206,6 @@ class Download:
         try:
             for destination, _, offset in self._items:
                 view = self._staging.read_mapped(offset, -(-destination.nbytes // 4) * 4, copy=False)
-                np.copyto(destination.reshape(-1).view(np.uint8), np.frombuffer(view, np.uint8, count=destination.nbytes))
+                host_threads.copy(destination.reshape(-1).view(np.uint8), np.frombuffer(view, np.uint8, count=destination.nbytes))
         finally:
             self._staging.unmap()
-            if self._staging.size > _KEEP_READBACK_BYTES:
-                self._pool.drop("readback")

@@ -29,7 +29,7 @@ class ResidentCache:
         self.max_binding_bytes = max_binding_bytes
         self.batch, self.kv_heads, self.head_size, self.max_rows = batch, kv_heads, head_size, max_rows
         self.dtype = np.dtype(dtype)
-        self.record = CacheRecord(batch, kv_heads, head_size, self.dtype.itemsize)
+        self.record = CacheRecord(batch, kv_heads, head_size, self.dtype.itemsize, max_rows)
         self.rows = 0
         self.key = self.value = None
 

@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""Where one decode step's time goes: ONNX Runtime's per-node profile, and the op's own phases.
+
+    python scripts/profile_step.py --kv-check fast --way shared --capacity 8192 --history 8152
+
+Runs decode steps of one SparseAttention node (Phi-3-small shape, batch 1, float32, as
+scripts/bench_decode.py does) with ORT's profiler on, then prints per node type the median
+time per step (ORT's own "Node" events: kernel time, the PyOps' Python included), the rest
+of ``run`` (ORT's overhead between nodes, binding), and the kernel op's phases. Use it
+before optimising: it says whether the time is in native nodes, the bridge or the GPU call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+
+import onnxruntime as ort
+
+from bench_decode import Decoder, model_for, node_stats
+
+import sparse_attention_op as sao
+from sparse_attention_op.session import session_options
+
+
+def profile(kv_check: str, way: str, capacity: int, history: int, steps: int, rng) -> None:
+    import numpy as np  # noqa: F401 - keeps the import order of bench_decode
+
+    options = session_options()
+    options.enable_profiling = True
+    options.profile_file_prefix = f"/tmp/sao_profile_{os.getpid()}"
+    session = sao.create_session(model_for(capacity, rng), sess_options=options, kv_check=kv_check)
+    decoder = Decoder(session, capacity, history, way, rng)
+    for _ in range(3):
+        decoder.step()
+    runs, phases = [], collections.defaultdict(list)
+    for _ in range(steps):
+        runs.append(decoder.step())
+        stats = node_stats(session)
+        for name, seconds in stats.phases.items():
+            phases[name].append(seconds)
+        phases["(op wall)"].append(stats.seconds)
+    trace = session.end_profiling()
+    with open(trace) as handle:
+        events = json.load(handle)
+    os.remove(trace)
+    # Only the timed steps: the last `steps` runs (the first ones bring the history up).
+    per_run = [e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"][-steps:]
+    start = per_run[0]["ts"]
+    per_node = collections.defaultdict(list)
+    for event in events:
+        if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time") and event["ts"] >= start:
+            per_node[event["args"].get("op_name", "?")].append(event["dur"])
+    runs_profiled = len(per_run)
+    print(f"\n### {kv_check}, {way}, capacity {capacity}, history {history}: run {statistics.median(runs) * 1e3:.3f} ms (median of {steps})\n")
+    print("| node type | count per run | us per run |\n|---|---|---|")
+    total = 0.0
+    for op, durations in sorted(per_node.items(), key=lambda item: -sum(item[1])):
+        us = sum(durations) / max(runs_profiled, 1)
+        total += us
+        print(f"| {op} | {len(durations) / max(runs_profiled, 1):.0f} | {us:.1f} |")
+    model_run = statistics.median(e["dur"] for e in per_run) if per_run else 0
+    print(f"| (model_run, median) | | {model_run:.1f} |\n| (between nodes) | | {model_run - total:.1f} |")
+    print("\nkernel op phases (us, median): " + ", ".join(f"{k} {statistics.median(v) * 1e6:.0f}" for k, v in phases.items()))
+
+
+def main() -> int:
+    import numpy as np
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kv-check", choices=["exact", "fast"], default="fast")
+    parser.add_argument("--way", choices=["shared", "plain"], default="shared")
+    parser.add_argument("--capacity", type=int, default=8192)
+    parser.add_argument("--history", type=int, default=8152)
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    print(f"# {' '.join(sys.argv)}, onnxruntime {ort.__version__}")
+    profile(args.kv_check, args.way, args.capacity, args.history, args.steps, np.random.default_rng(0))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
