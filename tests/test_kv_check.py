@@ -330,3 +330,22 @@ def test_refused_call_under_a_plain_session_raises_and_logs(executor, rng, caplo
         with pytest.raises(Exception):
             session.run(None, feeds)
     assert any("key_total_sequence_lengths" in r.getMessage() and "sparse_attention" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("kv_check", MODES)
+def test_uploads_through_the_staging_buffer(executor, rng, monkeypatch, kv_check):
+    # Large uploads (a prefill, a long history) go through a kept staging buffer filled
+    # with parallel copies; force that path on small calls, over a restart and a reorder.
+    from sparse_attention_op import host_threads
+    from sparse_attention_op.webgpu import buffers
+
+    monkeypatch.setattr(buffers, "STAGING_BYTES", 0)
+    monkeypatch.setattr(host_threads, "PARALLEL_BYTES", 1024)
+    generation = Generation(new_session(rng, kv_check), rng, "shared")
+    for _ in range(3):
+        generation.step()
+    generation.past = [np.ascontiguousarray(p[[2, 0, 1]]) for p in generation.past]
+    generation.lengths = generation.lengths[[2, 0, 1]]
+    generation.next()
+    assert generation.step().history_rows_uploaded > 0
+    generation.step()
