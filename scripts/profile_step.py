@@ -2,6 +2,7 @@
 """Where one decode step's time goes: ONNX Runtime's per-node profile, and the op's own phases.
 
     python scripts/profile_step.py --kv-check fast --way shared --capacity 8192 --history 8152
+    python scripts/profile_step.py --prefill 8192
 
 Runs decode steps of one SparseAttention node (Phi-3-small shape, batch 1, float32, as
 scripts/bench_decode.py does) with ORT's profiler on, then prints per node type the median
@@ -19,31 +20,59 @@ import os
 import statistics
 import sys
 
+import time
+
 import onnxruntime as ort
 
+from bench_common import PHI3_SMALL
 from bench_decode import Decoder, model_for, node_stats
 
 import sparse_attention_op as sao
+from sparse_attention_op.inputs import CaseConfig, random_inputs
 from sparse_attention_op.session import session_options
 
 
-def profile(kv_check: str, way: str, capacity: int, history: int, steps: int, rng) -> None:
-    import numpy as np  # noqa: F401 - keeps the import order of bench_decode
+class Prompter:
+    """Prompts of ``length`` tokens into a cache of that capacity, past and present shared."""
 
+    def __init__(self, session, length: int, rng):
+        self.session = session
+        config = CaseConfig(seq_len=length, max_cache_len=length, **PHI3_SMALL)
+        self.inputs = random_inputs(config, rng)
+        self.values = {n: ort.OrtValue.ortvalue_from_numpy(self.inputs[n]) for n in ("past_key", "past_value")}
+
+    def step(self) -> float:
+        binding = self.session.io_binding()
+        for i in self.session.get_inputs():
+            if i.name in self.values:
+                binding.bind_ortvalue_input(i.name, self.values[i.name])
+            else:
+                binding.bind_cpu_input(i.name, self.inputs[i.name])
+        binding.bind_output("output")
+        binding.bind_ortvalue_output("present_key", self.values["past_key"])
+        binding.bind_ortvalue_output("present_value", self.values["past_value"])
+        start = time.perf_counter()
+        self.session.run_with_iobinding(binding)
+        return time.perf_counter() - start
+
+
+def profile(kv_check: str, way: str, capacity: int, history: int, steps: int, rng, prefill: int = 0) -> None:
     options = session_options()
     options.enable_profiling = True
     options.profile_file_prefix = f"/tmp/sao_profile_{os.getpid()}"
-    session = sao.create_session(model_for(capacity, rng), sess_options=options, kv_check=kv_check)
-    decoder = Decoder(session, capacity, history, way, rng)
+    session = sao.create_session(model_for(prefill or capacity, rng), sess_options=options, kv_check=kv_check, profile=bool(prefill))
+    driver = Prompter(session, prefill, rng) if prefill else Decoder(session, capacity, history, way, rng)
     for _ in range(3):
-        decoder.step()
+        driver.step()
     runs, phases = [], collections.defaultdict(list)
     for _ in range(steps):
-        runs.append(decoder.step())
+        runs.append(driver.step())
         stats = node_stats(session)
         for name, seconds in stats.phases.items():
             phases[name].append(seconds)
         phases["(op wall)"].append(stats.seconds)
+        if stats.gpu_total is not None:
+            phases["(GPU)"].append(stats.gpu_total)
     trace = session.end_profiling()
     with open(trace) as handle:
         events = json.load(handle)
@@ -56,7 +85,8 @@ def profile(kv_check: str, way: str, capacity: int, history: int, steps: int, rn
         if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time") and event["ts"] >= start:
             per_node[event["args"].get("op_name", "?")].append(event["dur"])
     runs_profiled = len(per_run)
-    print(f"\n### {kv_check}, {way}, capacity {capacity}, history {history}: run {statistics.median(runs) * 1e3:.3f} ms (median of {steps})\n")
+    case = f"prefill {prefill}, shared buffers" if prefill else f"{kv_check}, {way}, capacity {capacity}, history {history}"
+    print(f"\n### {case}: run {statistics.median(runs) * 1e3:.3f} ms (median of {steps})\n")
     print("| node type | count per run | us per run |\n|---|---|---|")
     total = 0.0
     for op, durations in sorted(per_node.items(), key=lambda item: -sum(item[1])):
@@ -77,9 +107,10 @@ def main() -> int:
     parser.add_argument("--capacity", type=int, default=8192)
     parser.add_argument("--history", type=int, default=8152)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--prefill", type=int, default=0, help="profile prompts of this length instead of decode steps")
     args = parser.parse_args()
     print(f"# {' '.join(sys.argv)}, onnxruntime {ort.__version__}")
-    profile(args.kv_check, args.way, args.capacity, args.history, args.steps, np.random.default_rng(0))
+    profile(args.kv_check, args.way, args.capacity, args.history, args.steps, np.random.default_rng(0), args.prefill)
     return 0
 
 

@@ -5,7 +5,7 @@ around three PyOps, so that no cache-sized tensor crosses the bridge (docs/desig
 graph around the op"):
 
 * ``SparseAttentionPlan`` sees shapes and lengths only. It validates them and says which
-  past rows the cache check probes, which cos/sin rows the call reads, and whether the
+  past rows the cache check probes, which cos/sin rows the call's tokens read, and whether the
   layout must cross (only until the node has seen it, when it is a constant).
 * ``SparseAttentionCacheCheck`` sees the probe rows. It says how many history rows must
   cross: none when the resident cache holds the past (fast check), all of them otherwise
@@ -208,7 +208,7 @@ def _settings(info: NodeInfo):
 
 # -- the three ops ------------------------------------------------------------------------
 def plan_op(*inputs, **attributes):
-    """Shapes and lengths -> probe row indices, the rotary window, how many layouts cross,
+    """Shapes and lengths -> probe row indices, the new tokens' rotary rows, how many layouts cross,
     and the target shapes of the native Reshapes (past as rows, the new rows by head, the
     output). Every native node that could fail on a malformed input depends on one of these
     outputs, so this op's own check runs first and its message is the one reported."""
@@ -221,15 +221,14 @@ def plan_op(*inputs, **attributes):
         rows = probe_row_indices(probes, chunk_rows, shape.attributes.kv_num_heads, shape.max_cache_len)
     else:
         rows = np.zeros(0, np.int64)
-    first, end = shape.rotary_window
+    positions = shape.token_positions if shape.attributes.do_rotary else np.zeros(0, np.int64)
     layouts = 0 if info.constant_layout and _executor().knows_layout(info.node_key) else shape.num_layout
     b, heads, capacity, h = shape.cache_shape
     attrs = shape.attributes
     split_heads = attrs.num_heads + 2 * attrs.kv_num_heads if shape.packed_qkv else attrs.kv_num_heads
     return (
         rows,
-        np.array([first], np.int64),
-        np.array([end], np.int64),
+        positions,
         np.array([layouts], np.int64),
         np.array([b * heads * capacity, h], np.int64),
         np.array([b, shape.seq_len, split_heads, h], np.int64),
@@ -240,7 +239,7 @@ def plan_op(*inputs, **attributes):
 def _plan_poison(inputs):
     # An index no Gather accepts, and one-element Reshape targets no tensor here fits.
     one = np.ones(1, np.int64)
-    return np.array([_BAD_INDEX]), np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64), one, one, one
+    return np.array([_BAD_INDEX]), np.zeros(0, np.int64), np.zeros(1, np.int64), one, one, one
 
 
 def check_op(probe_key, probe_value, *inputs, **attributes):
@@ -365,7 +364,7 @@ def register() -> None:
         _ortx_compat.check_version()
         common = dict(attrs=_ATTRIBUTE_TYPES, raw_attributes=True)
         register_array_op(plan_op, _plan_poison, op_type=f"{BRIDGE_DOMAIN}::{PLAN_OP}", inputs=_SHAPES + [_I32, _I32],
-                          outputs=[_I64] * 7, **common)
+                          outputs=[_I64] * 6, **common)
         register_array_op(check_op, _check_poison, op_type=f"{BRIDGE_DOMAIN}::{CHECK_OP}", inputs=[_F, _F] + _SHAPES + [_I32, _I32],
                           outputs=[_I64], **common)
         register_array_op(kernel_op, _kernel_poison, op_type=f"{BRIDGE_DOMAIN}::{KERNEL_OP}",

@@ -225,6 +225,9 @@ class CacheRecord:
         Requires ``valid[b] == past[b]`` (the check just established it)."""
         c = self.chunk_rows
         self._reserve(max(end_rows, default=0))
+        if new_key.shape[2] == 1 and all(end - past == 1 for past, end in zip(past_lengths, end_rows)):
+            self._append_one_row(np.asarray(past_lengths, np.int64), new_key, new_value)
+            return
         for b, (past, end) in enumerate(zip(past_lengths, end_rows)):
             assert self.valid[b] == past, "the record must describe the call's past before rows are appended"
             count = end - past
@@ -237,6 +240,22 @@ class CacheRecord:
                 chunks[:, first + 1 : first + terms.shape[1]] = 0
                 chunks[:, first : first + terms.shape[1]] += terms  # uint64 wraps: modulo 2**64
             self.valid[b] = end
+
+    def _append_one_row(self, past: np.ndarray, new_key: np.ndarray, new_value: np.ndarray) -> None:
+        """append() for a decode step, every batch row at once: one new row each."""
+        assert np.array_equal(self.valid, past), "the record must describe the call's past before rows are appended"
+        c, wpr = self.chunk_rows, self.digests.words_per_row
+        batch = np.arange(self.batch)
+        chunks, positions = past // c, past % c
+        # The multipliers of each row's position inside its chunk: (batch, words per row).
+        multipliers = self.digests.multipliers.reshape(c, wpr)[positions]
+        for name, rows in (("key", new_key), ("value", new_value)):
+            words = np.ascontiguousarray(rows[:, :, 0], dtype=np.float32).view(np.uint64)  # (batch, heads, wpr)
+            terms = np.einsum("bhw,bw->bh", words, multipliers)  # uint64, wrapping modulo 2**64
+            table = self._chunks[name]
+            held = np.where(positions[:, None] == 0, np.uint64(0), table[batch, :, chunks])
+            table[batch, :, chunks] = held + terms
+        self.valid[:] = past + 1
 
     def _reserve(self, rows: int) -> None:
         """Room for digests of ``rows`` rows per (batch row, kv head), grown by half again

@@ -9,7 +9,7 @@ native:
     total, key_totals --> SparseAttentionPlan --+--> probe rows, rotary window, layouts
     past --Reshape(rows)--> Gather(probe rows) --> SparseAttentionCacheCheck --> history rows F
     past --Slice[0:F]--> history  \\
-    cos/sin --Slice[window]-->      > SparseAttentionKernel --> output, new keys, indices
+    cos/sin --Gather[positions]-->  > SparseAttentionKernel --> output, new keys, indices
     layout --Slice[0:layouts]-->   /    query, key, value -------^
     output --Reshape--> output
     past, indices, new keys --ScatterND--> present_key
@@ -108,8 +108,8 @@ def expand(plan: NodePlan) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]
     lengths = [inputs["total_sequence_length"], inputs["key_total_sequence_lengths"]]
 
     shapes = [b.add("Shape", [inputs[name]], f"shape_{name}") for name in SHAPED_INPUTS]
-    probe_rows, rotary_first, rotary_end, layouts, past_rows_shape, split_shape, output_shape = b.add(
-        PLAN_OP, shapes + lengths, ["probe_rows", "rotary_first", "rotary_end", "layouts", "past_rows_shape", "split_shape", "output_shape"],
+    probe_rows, positions, layouts, past_rows_shape, split_shape, output_shape = b.add(
+        PLAN_OP, shapes + lengths, ["probe_rows", "positions", "layouts", "past_rows_shape", "split_shape", "output_shape"],
         domain=BRIDGE_DOMAIN, **op_attributes)
 
     probes = []
@@ -120,7 +120,7 @@ def expand(plan: NodePlan) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]
     history = [b.float32(b.add("Slice", [inputs[name], ZERO, history_rows, AXIS2], f"{name}_history"), f16) for name in ("past_key", "past_value")]
 
     if attrs.do_rotary:
-        rotary = [b.float32(b.add("Slice", [inputs[name], rotary_first, rotary_end, AXIS0], f"{name}_rows"), f16) for name in ("cos_cache", "sin_cache")]
+        rotary = [b.float32(b.add("Gather", [inputs[name], positions], f"{name}_rows", axis=0), f16) for name in ("cos_cache", "sin_cache")]
     else:
         rotary = [ABSENT_FLOAT, ABSENT_FLOAT]
     layout = [b.add("Slice", [inputs[name], ZERO, layouts, AXIS0], f"{name}_sent") for name in ("block_row_indices", "block_col_indices")]

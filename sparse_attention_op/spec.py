@@ -187,11 +187,10 @@ class CallShape:
         return self.key_totals
 
     @property
-    def rotary_window(self) -> tuple[int, int]:
-        """First and end position whose cos/sin rows this call reads (the rows of its new tokens)."""
-        if not self.attributes.do_rotary:
-            return (0, 0)
-        return (min(self.past_lengths), max(self.past_lengths) + self.seq_len)
+    def token_positions(self) -> np.ndarray:
+        """Absolute position of every new token, (batch * seq_len,) in (batch row, token) order:
+        the cos/sin rows a rotary call reads, one per token."""
+        return (np.asarray(self.past_lengths, np.int64)[:, None] + np.arange(self.seq_len)).reshape(-1)
 
 
 def describe_call(
@@ -361,7 +360,7 @@ class SparseAttentionCall:
     caller's past has them: ``F == 0`` means "use what the resident cache holds" (the fast
     check found it current), otherwise ``F >= shape.history_rows`` and the cache compares
     them with what it holds (the exact check). ``cos_rows``/``sin_rows`` are the rotary table
-    rows of positions ``shape.rotary_window``. The layout arrays are ``None`` when the node's
+    rows of ``shape.token_positions``, one per new token. The layout arrays are ``None`` when the node's
     layout is already known to the executor.
     """
 
@@ -427,11 +426,10 @@ def assemble_call(
     if history_key.shape != history_value.shape:
         _fail("past_value", f"history rows must match past_key's {history_key.shape}, got {history_value.shape}")
     if shape.attributes.do_rotary:
-        first, end = shape.rotary_window
         for name, rows in (("cos_cache", cos_rows), ("sin_cache", sin_rows)):
-            expected = (end - first, shape.rotary_dim // 2)
+            expected = (shape.batch_size * shape.seq_len, shape.rotary_dim // 2)
             if rows is None or rows.shape != expected:
-                _fail(name, f"rows of positions [{first}, {end}) must have shape {expected}, got {None if rows is None else rows.shape}")
+                _fail(name, f"the rows of the call's tokens must have shape {expected}, got {None if rows is None else rows.shape}")
     if (block_row_indices is None) != (block_col_indices is None):
         _fail("block_col_indices", "the layout's two CSR tensors must be given together")
     if block_row_indices is not None:
@@ -469,7 +467,7 @@ def build_call(
     shapes = {name: (None if tensors[name] is None else tuple(int(d) for d in tensors[name].shape)) for name in SHAPED_INPUTS}
     shape = describe_call(attributes, shapes, tensors["total_sequence_length"], tensors["key_total_sequence_lengths"])
     rows = shape.history_rows if with_history else 0
-    first, end = shape.rotary_window
+    positions = shape.token_positions
     rotary = shape.attributes.do_rotary
     return assemble_call(
         shape,
@@ -478,8 +476,8 @@ def build_call(
         tensors["value"],
         tensors["past_key"][:, :, :rows],
         tensors["past_value"][:, :, :rows],
-        tensors["cos_cache"][first:end] if rotary else None,
-        tensors["sin_cache"][first:end] if rotary else None,
+        tensors["cos_cache"][positions] if rotary else None,
+        tensors["sin_cache"][positions] if rotary else None,
         tensors["block_row_indices"],
         tensors["block_col_indices"],
         float16_storage=float16_storage,

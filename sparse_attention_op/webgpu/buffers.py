@@ -193,8 +193,17 @@ class Download:
         if not self._items:
             return
         self._staging = self._pool.get("readback", self._size, wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
+        # Ranges laid out in their source buffer as they are in the read-back buffer (the
+        # sections of one results buffer) move in one copy.
+        runs = []
         for destination, source, offset in self._items:
-            encoder.copy_buffer_to_buffer(source.buffer, source.offset, self._staging, offset, -(-destination.nbytes // 4) * 4)
+            end = offset + -(-destination.nbytes // 4) * 4
+            if runs and runs[-1][0] is source.buffer and source.offset - runs[-1][1] == offset - runs[-1][2]:
+                runs[-1][3] = end
+            else:
+                runs.append([source.buffer, source.offset, offset, end])
+        for buffer, source_offset, offset, end in runs:
+            encoder.copy_buffer_to_buffer(buffer, source_offset, self._staging, offset, end - offset)
 
     def read(self) -> None:
         """Wait for the GPU, then copy each range into its host array."""

@@ -31,7 +31,7 @@ from .buffers import STORAGE_IN, STORAGE_OUT, UNIFORM, BufferPool, Download, Gpu
 from .device import GpuContext, get_context
 from .kv_cache import ResidentCache
 from .process_wide import ProcessWide
-from .programs import BufferRange, Dispatch, PipelineCache
+from .programs import BufferRange, PipelineCache
 from .tuning import Tuning, choose_tuning
 
 
@@ -75,6 +75,26 @@ class CallResult:
     stats: CallStats
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One dispatch, ready to record: what a decode step repeats from the last one."""
+
+    label: str
+    pipeline: object
+    bind_group: object
+    workgroups: tuple[int, int, int]
+
+
+@dataclass
+class LaunchPlan:
+    """The launches of a call, valid for every call with the same key: dispatches depend on
+    shapes and bound buffers only (lengths are data), so a decode step reuses the last
+    step's pipelines, bind groups and uniform block as they are."""
+
+    key: tuple
+    launches: list[Launch]
+
+
 @dataclass
 class NodeState:
     """GPU state of one SparseAttention node for one calling thread."""
@@ -82,12 +102,10 @@ class NodeState:
     cache: ResidentCache
     buffers: BufferPool
     uploaded_plan: BlockPlan | None = None  # the plan the block_plan buffer holds now
-    # Bind groups by (program, bound ranges). Keys hold buffer identities, and the buffers
-    # are reused from call to call, so a decode step binds what the last one did.
-    bind_groups: dict = field(default_factory=dict)
+    launch_plan: LaunchPlan | None = None
 
     def release(self) -> None:
-        self.bind_groups.clear()
+        self.launch_plan = None
         self.buffers.release()
         self.cache.release()
 
@@ -308,25 +326,26 @@ class WebGPUExecutor:
             upload.write(plan.words, plan_buffer, 0)
             state.uploaded_plan = plan
         resources.update(block_plan=BufferRange(plan_buffer), key_cache=BufferRange(cache.key), value_cache=BufferRange(cache.value))
+        # The results share one buffer, laid out as in the read-back buffer: one copy back.
         output = self._host_array("output", shape.output_shape, reuse_host_arrays)
-        resources["output"] = BufferRange(self._scratch.get("output", output.nbytes, STORAGE_OUT))
-        new_key = None
-        if shape.attributes.do_rotary:
-            new_key = self._host_array("new_key", shape.new_rows_shape, reuse_host_arrays)
-            resources["new_key"] = BufferRange(self._scratch.get("new_key", new_key.nbytes, STORAGE_OUT))
+        new_key = self._host_array("new_key", shape.new_rows_shape, reuse_host_arrays) if shape.attributes.do_rotary else None
+        key_offset = aligned(output.nbytes)
+        results = self._scratch.get("results", key_offset + (0 if new_key is None else new_key.nbytes), STORAGE_OUT)
+        resources["output"] = BufferRange(results, 0, key_offset)
+        if new_key is not None:
+            resources["new_key"] = BufferRange(results, key_offset, aligned(new_key.nbytes))
         for name, nbytes in kernels.scratch_bytes(shape, self.tuning).items():
             resources[name] = BufferRange(self._scratch.get(name, nbytes, wgpu.BufferUsage.STORAGE))
 
         cache_format = kernels.CacheFormat(rows=cache.rows, f16=np.dtype(dtype) == np.float16, round_keys_to_f16=call.float16_storage)
-        dispatches = kernels.call_dispatches(shape, self.tuning, cache_format, resources)
-        uniforms = self._uniforms(dispatches)
+        launches = self._launches(state, shape, cache_format, resources)
         phases["prepare"] = time.perf_counter() - tick
 
         # 3. One command buffer: the uploads, every dispatch, then the read-back copies.
         tick = time.perf_counter()
         encoder = device.create_command_encoder()
         upload.encode(device, encoder, self._scratch, inputs)
-        timed = self._encode(encoder, dispatches, uniforms, state.bind_groups, settings.profile)
+        timed = self._record(encoder, launches, settings.profile)
         download = Download(self._scratch)
         download.add(output, resources["output"])
         if new_key is not None:
@@ -334,8 +353,8 @@ class WebGPUExecutor:
         ticks = None
         if timed:
             query_set, resolved = self._timestamps
-            encoder.resolve_query_set(query_set, 0, 2 * len(dispatches), resolved, 0)
-            ticks = np.zeros(2 * len(dispatches), np.uint64)
+            encoder.resolve_query_set(query_set, 0, 2 * len(launches), resolved, 0)
+            ticks = np.zeros(2 * len(launches), np.uint64)
             download.add(ticks, BufferRange(resolved))
         download.encode(encoder)
         device.queue.submit([encoder.finish()])
@@ -355,43 +374,47 @@ class WebGPUExecutor:
         stats.phases = phases
         if ticks is not None:
             seconds = (ticks[1::2].astype(np.float64) - ticks[0::2]) * 1e-9  # WebGPU timestamps are ns
-            stats.gpu_seconds = {d.label: float(s) for d, s in zip(dispatches, seconds)}
+            stats.gpu_seconds = {launch.label: float(s) for launch, s in zip(launches, seconds)}
         return CallResult(output, new_key, stats)
 
-    def _uniforms(self, dispatches: list[Dispatch]) -> BufferRange:
-        """Every dispatch's uniform block in one buffer, one aligned slot each."""
+    def _launches(self, state: NodeState, shape: CallShape, cache_format, resources: dict) -> list[Launch]:
+        """The call's launches: the node's last ones when nothing they depend on changed."""
+        key = (kernels.dispatch_key(shape), cache_format, tuple(sorted((name, r.key()) for name, r in resources.items())))
+        if state.launch_plan is not None and state.launch_plan.key == key:
+            return state.launch_plan.launches
+        dispatches = kernels.call_dispatches(shape, self.tuning, cache_format, resources)
+        # Every dispatch's uniform block, one aligned slot each, in the node's own buffer
+        # (written once per plan: uniforms hold shapes, never per-call data).
         blocks = [d.program.pack_uniforms(d.uniforms) for d in dispatches]
         slot = max(aligned(block.nbytes) for block in blocks)
         packed = np.zeros(slot * len(blocks) // 4, np.uint32)
         for index, block in enumerate(blocks):
             packed[index * slot // 4 : index * slot // 4 + block.size] = block
-        buffer = self._scratch.get("uniforms", packed.nbytes, UNIFORM)
-        self.context.device.queue.write_buffer(buffer, 0, packed)
-        return BufferRange(buffer, 0, slot)
+        uniforms = state.buffers.get("uniforms", packed.nbytes, UNIFORM)
+        self.context.device.queue.write_buffer(uniforms, 0, packed)
+        launches = []
+        for index, dispatch in enumerate(dispatches):
+            compiled = self.pipelines.get(dispatch.program)
+            ranges = (BufferRange(uniforms, index * slot, slot),) + dispatch.bound()
+            entries = [{"binding": i, "resource": {"buffer": r.buffer, "offset": r.offset, "size": r.nbytes}} for i, r in enumerate(ranges)]
+            group = self.context.device.create_bind_group(layout=compiled.bind_group_layout, entries=entries)
+            launches.append(Launch(dispatch.label, compiled.pipeline, group, dispatch.workgroups))
+        state.launch_plan = LaunchPlan(key, launches)
+        return launches
 
-    def _encode(self, encoder, dispatches: list[Dispatch], uniforms: BufferRange, bind_groups: dict, profile: bool) -> bool:
-        """Record the dispatches: one compute pass, or one each with timestamps when profiling."""
+    def _record(self, encoder, launches: list[Launch], profile: bool) -> bool:
+        """Record the launches: one compute pass, or one each with timestamps when profiling."""
         timed = profile and "timestamp-query" in self.context.features
         if timed:
-            self._ensure_timestamps(2 * len(dispatches))
+            self._ensure_timestamps(2 * len(launches))
         compute = None if timed else encoder.begin_compute_pass()
-        for index, dispatch in enumerate(dispatches):
+        for index, launch in enumerate(launches):
             if timed:
                 writes = {"query_set": self._timestamps[0], "beginning_of_pass_write_index": 2 * index, "end_of_pass_write_index": 2 * index + 1}
                 compute = encoder.begin_compute_pass(timestamp_writes=writes)
-            slot = BufferRange(uniforms.buffer, index * uniforms.size, uniforms.size)
-            compiled = self.pipelines.get(dispatch.program)
-            ranges = (slot,) + dispatch.bound()
-            key = (dispatch.program.cache_key, tuple(r.key() for r in ranges))
-            group = bind_groups.get(key)
-            if group is None:
-                if len(bind_groups) > 64:  # shapes keep changing: start over rather than grow
-                    bind_groups.clear()
-                entries = [{"binding": i, "resource": {"buffer": r.buffer, "offset": r.offset, "size": r.nbytes}} for i, r in enumerate(ranges)]
-                group = bind_groups[key] = self.context.device.create_bind_group(layout=compiled.bind_group_layout, entries=entries)
-            compute.set_pipeline(compiled.pipeline)
-            compute.set_bind_group(0, group)
-            compute.dispatch_workgroups(*dispatch.workgroups)
+            compute.set_pipeline(launch.pipeline)
+            compute.set_bind_group(0, launch.bind_group)
+            compute.dispatch_workgroups(*launch.workgroups)
             if timed:
                 compute.end()
         if not timed:

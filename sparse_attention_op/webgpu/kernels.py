@@ -8,6 +8,7 @@ the cache's element type and the rotary layout shape the code and so are constan
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -86,7 +87,6 @@ def kv_append(shape: CallShape, tuning: Tuning, cache: CacheFormat, resources: M
             ("key_offset_vec", "u32"),
             ("value_offset_vec", "u32"),
             ("rotary_half", "u32"),
-            ("rotary_first", "u32"),
         ),
         constants=(("head_size", shape.head_size), ("workgroup_size", tuning.append_workgroup), ("cache_vec", cache.vec),
                    ("round_keys_to_f16", attrs.do_rotary and cache.round_keys_to_f16)) + rotary_constants,
@@ -107,7 +107,6 @@ def kv_append(shape: CallShape, tuning: Tuning, cache: CacheFormat, resources: M
         key_offset_vec=key_offset,
         value_offset_vec=value_offset,
         rotary_half=shape.rotary_dim // 2,
-        rotary_first=shape.rotary_window[0],
     )
     return bind("kv_append", program, resources, uniforms, _fold(-(-count // tuning.append_workgroup)))
 
@@ -137,7 +136,6 @@ def attention(shape: CallShape, tuning: Tuning, cache: CacheFormat, resources: M
             ("block_size", "u32"),
             ("query_row_vec", "u32"),
             ("rotary_half", "u32"),
-            ("rotary_first", "u32"),
             ("scale", "f32"),
         ),
         constants=(
@@ -157,11 +155,17 @@ def attention(shape: CallShape, tuning: Tuning, cache: CacheFormat, resources: M
         block_size=attrs.sparse_block_size,
         query_row_vec=shape.query_hidden // 4,
         rotary_half=shape.rotary_dim // 2,
-        rotary_first=shape.rotary_window[0],
         scale=shape.scale,
     )
     workgroups = (-(-shape.seq_len // query_tile), attrs.num_heads, shape.batch_size)
     return bind("attention", program, resources, uniforms, workgroups)
+
+
+def dispatch_key(shape: CallShape) -> CallShape:
+    """What the dispatches of a call depend on: its shape without the lengths. Lengths are
+    data (row_past), so a decode step can reuse the last step's dispatches; a kernel that
+    needs a length-dependent choice must make it on the GPU, or add it here."""
+    return dataclasses.replace(shape, past_lengths=(), key_totals=(), total_sequence_length=0, is_prompt=False)
 
 
 def scratch_bytes(shape: CallShape, tuning: Tuning) -> dict[str, int]:

@@ -98,8 +98,9 @@ class BufferRange:
         return (self.buffer.size - self.offset) if self.size is None else self.size
 
     def key(self) -> tuple:
-        """Identity of what is bound (the buffer object itself, not its contents)."""
-        return (id(self.buffer), self.offset, self.size)
+        """Identity of what is bound: the buffer object itself (a key holding it keeps it
+        alive, so a new buffer can never take a cached key's place), offset and size."""
+        return (self.buffer, self.offset, self.size)
 
 
 @dataclass(frozen=True)
