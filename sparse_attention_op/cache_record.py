@@ -78,6 +78,18 @@ class Digests:
     def __post_init__(self):
         self.words_per_row = self.head_size // 2
         self.multipliers = _multipliers(self.chunk_rows * self.words_per_row)
+        self._scratch = np.empty(0, np.float32)
+
+    def _contiguous(self, rows: np.ndarray) -> np.ndarray:
+        """A contiguous float32 copy of ``rows`` in a buffer kept between calls (the new value
+        rows are a transposed view of the value input; a fresh prefill-sized array would be
+        faulted in page by page on every call)."""
+        size = rows.size
+        if self._scratch.size < size:
+            self._scratch = np.empty(size, np.float32)
+        out = self._scratch[:size].reshape(rows.shape)
+        np.copyto(out, rows, casting="same_kind")
+        return out
 
     def of(self, rows: np.ndarray, offset: int = 0) -> np.ndarray:
         """Digest terms of ``rows`` (lead..., n, head) float32 placed from row ``offset`` of
@@ -85,7 +97,7 @@ class Digests:
         c, wpr = self.chunk_rows, self.words_per_row
         lead, n = rows.shape[:-2], rows.shape[-2]
         if rows.dtype != np.float32 or rows.strides[-1] != 4 or rows.strides[-2] != 4 * self.head_size:
-            rows = np.ascontiguousarray(rows, dtype=np.float32)
+            rows = self._contiguous(rows)
         # Pairs of float32 as one uint64 word: any change to either float changes the word.
         words = rows.view(np.uint64)  # (lead..., n, wpr), a view: rows are contiguous
         parts = []
