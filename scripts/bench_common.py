@@ -10,7 +10,7 @@ from onnx import TensorProto, helper
 
 from sparse_attention_op.graphs import finish_model
 
-#: DESIGN.md section 5: 32 query heads over 8 kv heads, head size 128, 64-token blocks,
+#: docs/design.md section 7: 32 query heads over 8 kv heads, head size 128, 64-token blocks,
 #: 16 local blocks and vertical stride 8 over 32 layouts, rotary.
 PHI3_SMALL = dict(num_heads=32, kv_num_heads=8, head_size=128, sparse_block_size=64, num_layout=32, local_blocks=16, vert_stride=8, do_rotary=True)
 

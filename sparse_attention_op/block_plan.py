@@ -1,7 +1,7 @@
 """The CSR block layout resolved once on the host into what the attention pass walks.
 
 The operator's CSR carries rules the kernel should not re-derive for every key (see
-DESIGN.md section 1): a layout with the dense triangular count is plain causal, a row
+docs/design.md section 1): a layout with the dense triangular count is plain causal, a row
 listing exactly row + 1 entries is plain causal whatever its columns say, and a repeated
 column counts once. Resolving them here, per layout row, leaves the kernel a plain loop:
 

@@ -2,7 +2,7 @@
 
 Used by the tests, the demo and ``scripts/export_test_graph.py``. Every model written
 sets ``ir_version`` explicitly: onnx 1.23 writes IR 14 by default, which onnxruntime 1.30
-refuses (DESIGN.md section 2).
+refuses (docs/design.md section 2).
 """
 
 from __future__ import annotations

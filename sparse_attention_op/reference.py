@@ -1,4 +1,4 @@
-"""Float64 numpy reference of com.microsoft.SparseAttention (DESIGN.md section 1).
+"""Float64 numpy reference of com.microsoft.SparseAttention (docs/design.md section 1).
 
 This is the tests' oracle, so it is written straight from the specification and shares
 no code with the executor: it builds the full boolean visibility matrix per head and

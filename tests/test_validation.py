@@ -1,5 +1,5 @@
 """One test per validation rule: the error names the input and the rule, and the same
-session answers a good call correctly afterwards (DESIGN.md section 1, plus what ORT misses)."""
+session answers a good call correctly afterwards (docs/design.md section 1, plus what ORT misses)."""
 
 import dataclasses
 

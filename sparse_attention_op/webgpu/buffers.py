@@ -1,6 +1,6 @@
 """GPU buffers reused across calls, and the two transfers of a call (one upload, one read-back).
 
-Measured (docs/design.md, "Measured facts"; ``scripts/measure_platform.py``):
+Measured (docs/design.md section 3; ``scripts/measure_platform.py``):
 
 * ``queue.write_buffer`` needs no map round trip, so small uploads use it: the call's
   small inputs packed into one write. For large ones wgpu allocates a fresh staging buffer
