@@ -2,8 +2,21 @@
 
 A :class:`Tuning` is chosen once per device from its limits and features
 (:func:`choose_tuning`); the kernels module reads it and nothing else decides tile sizes.
-Shape-dependent choices that follow from a tuning (how many queries a tile holds for a
-given call) are methods here too, so the reasoning stays next to the numbers.
+Shape-dependent choices that follow from a tuning (which attention pass serves a call, how
+many queries a tile holds, how many splits a decode query gets) are methods here too, so
+the reasoning stays next to the numbers.
+
+Three attention passes exist (kernels.py builds them):
+
+* ``tiled``: the throughput prefill pass (prefill_tiled.wgsl.jinja). A workgroup owns a
+  tile of queries inside one block row and walks that row's selected keys in tiles staged
+  in workgroup memory, with register-blocked Q.K^T and P.V products and an online softmax.
+* ``split``: split-K decode (decode_split.wgsl.jinja + decode_merge.wgsl.jinja) for one
+  query or a short chunk: each query's selected keys are cut into balanced slices, one
+  workgroup each, and a merge pass combines the partial softmaxes.
+* ``simple``: the original pass (attention.wgsl.jinja), one key per invocation, kept where
+  the tiled pass cannot run: blocks smaller than the smallest query tile (8), and workgroup
+  memory too small for any tile.
 """
 
 from __future__ import annotations
@@ -13,9 +26,102 @@ from dataclasses import dataclass
 
 from ..spec import CallShape
 
+SIMPLE, TILED, SPLIT, ROWS = "simple", "tiled", "split", "rows"
+
+
+@dataclass(frozen=True)
+class PrefillTiling:
+    """The code shape of one tiled prefill pipeline (all constants of the template)."""
+
+    query_tile: int  # queries of a workgroup (TQ), all in one block row
+    key_tile: int  # keys per online-softmax step (TK)
+    query_regs: int  # queries per invocation in the register block (QR)
+    key_regs: int  # keys per invocation in the score block (KR)
+    depth_chunk: int  # vec4s of the head staged per Q.K^T step (DCV)
+    value_chunk: int  # keys of V staged per P.V step (KC)
+    head_vec: int  # head_size / 4
+
+    @property
+    def query_threads(self) -> int:
+        return self.query_tile // self.query_regs
+
+    @property
+    def key_threads(self) -> int:
+        return self.key_tile // self.key_regs
+
+    @property
+    def workgroup(self) -> int:
+        return self.query_threads * self.key_threads
+
+    @property
+    def team(self) -> int:
+        """Invocations per query row in the softmax step."""
+        return self.workgroup // self.query_tile
+
+    @property
+    def value_cols(self) -> int:
+        """Output vec4 columns per invocation in the P.V product (the head padded to fit)."""
+        return -(-self.head_vec // self.key_threads)
+
+    @property
+    def stage_vec4(self) -> int:
+        """The staging region: a Q and a K chunk (rows padded by one vec4 so the score
+        loop's strided row reads spread over the banks), or a V chunk, whichever is larger."""
+        qk = (self.query_tile + self.key_tile) * (self.depth_chunk + 1)
+        v = self.value_chunk * self.value_cols * self.key_threads
+        return max(qk, v)
+
+    @property
+    def probs_row_vec4(self) -> int:
+        """Row stride of the probability tile in vec4s: one spare vec4 so the softmax
+        team's reads (rows apart by the stride) land on distinct banks."""
+        return self.key_tile // 4 + 1
+
+    def workgroup_bytes(self) -> int:
+        stage = self.stage_vec4 * 16
+        probs = self.query_tile * self.probs_row_vec4 * 16
+        stats = (2 * self.query_tile * self.team + 2 * self.query_tile) * 4
+        return stage + probs + stats
+
+    def valid(self) -> bool:
+        return (
+            self.query_tile % self.query_regs == 0
+            and self.key_tile % self.key_regs == 0
+            and self.key_tile % 4 == 0
+            and self.workgroup % self.query_tile == 0
+            and (self.key_tile // 4) % max(1, self.team) == 0
+            and self.team >= 1
+            and self.key_tile % self.value_chunk == 0
+            and self.value_chunk % 4 == 0
+        )
+
+
+@dataclass(frozen=True)
+class DecodeSplit:
+    """The code shape of the split-K decode pipeline (constants of decode_split)."""
+
+    workgroup: int
+    lanes_per_key: int  # invocations sharing one key's dot product (their loads coalesce)
+    keys_per_group: int  # keys each lane group scores per tile (loads in flight)
+    head_vec: int
+
+    @property
+    def groups(self) -> int:
+        return self.workgroup // self.lanes_per_key
+
+    @property
+    def tile_keys(self) -> int:
+        return self.groups * self.keys_per_group
+
+    @property
+    def parts(self) -> int:
+        """Key parts in the value step: invocations per output vec4 column."""
+        return self.workgroup // self.head_vec
+
 
 @dataclass(frozen=True)
 class Tuning:
+    # -- the simple pass (attention.wgsl.jinja) ------------------------------------------
     #: Invocations of the attention pass's workgroup: one key per invocation per tile.
     attention_workgroup: int = 64
     #: Queries sharing each K/V load in prefill. They span at most two block rows for
@@ -25,7 +131,54 @@ class Tuning:
     append_workgroup: int = 256
     #: Workgroup memory the adapter offers (bytes).
     workgroup_storage_bytes: int = 16384
+    #: Largest storage binding (bytes): scratch buffers must fit in one.
+    max_binding_bytes: int = 128 << 20
 
+    # -- the tiled prefill pass ----------------------------------------------------------
+    #: Queries per workgroup. 64 = one Phi-3 block row: the K/V tile staged in workgroup
+    #: memory is shared by 64 queries (the arithmetic intensity of a 64x64 GEMM tile).
+    #: Smaller blocks shrink it to the block size (a tile never spans two block rows).
+    prefill_query_tile: int = 64
+    #: Keys per online-softmax step. 64 keeps the score tile (TQ x TK floats) at 16 KiB.
+    prefill_key_tile: int = 64
+    #: Register block of the score product: each invocation owns QR x KR scores, so one
+    #: vec4 of Q and one of K feed QR*KR dot products. 4 x 4 is the plain GEMM blocking
+    #: (256 invocations for a 64 x 64 tile).
+    prefill_query_regs: int = 4
+    prefill_key_regs: int = 4
+    #: Head vec4s per Q/K staging step: (TQ + TK) x 8 vec4 = 18 KiB with padding.
+    prefill_depth_chunk: int = 8
+    #: Keys of V per staging step: 32 x 128 floats = 16 KiB at head size 128.
+    prefill_value_chunk: int = 32
+    #: Calls of fewer queries (and more than decode_max_queries) use the simple pass.
+    prefill_min_queries: int = 17
+
+    #: The prefill pass: TILED on GPUs; ROWS (prefill_rows.wgsl.jinja) on CPU adapters,
+    #: where per-invocation addresses cost a gather each and barriers are slow.
+    prefill_pass: str = TILED
+    #: Rows pass: queries per workgroup (one per invocation; a CPU runs them as SIMD lanes).
+    rows_queries: int = 64
+    #: Rows pass: keys per online-softmax step (each q and o vec4 feeds this many FMAs).
+    rows_key_block: int = 4
+
+    # -- split-K decode ------------------------------------------------------------------
+    #: Calls of at most this many queries use split-K (decode, short chunks): a tile of
+    #: queries would be mostly empty, and each query's keys alone fill the GPU when split.
+    decode_max_queries: int = 16
+    decode_workgroup: int = 256
+    #: 8 lanes per key: a lane group reads 128 contiguous bytes of a key row per load.
+    decode_lanes_per_key: int = 8
+    #: Each lane group scores 2 keys per tile: more loads in flight per invocation.
+    decode_keys_per_group: int = 2
+    #: Workgroups to aim for across the call (splits = this / (batch*heads*queries)):
+    #: enough to cover every multiprocessor several times over on a big GPU.
+    decode_target_workgroups: int = 1024
+    #: No split gets fewer keys than this (a split re-reads q and writes a partial).
+    decode_min_keys_per_split: int = 64
+    decode_max_splits: int = 64
+    merge_workgroup: int = 64
+
+    # -- shape-dependent choices -----------------------------------------------------------
     def attention_queries(self, shape: CallShape) -> int:
         """Decode has one query per head, so a tile would only idle; prefill shares each
         K/V load between up to attention_query_tile queries, as many as fit."""
@@ -33,6 +186,70 @@ class Tuning:
         while tile > 1 and attention_workgroup_bytes(self.attention_workgroup, tile, shape.head_size) > self.workgroup_storage_bytes:
             tile //= 2
         return tile
+
+    def attention_route(self, shape: CallShape) -> str:
+        """Which attention pass serves this call (module docstring)."""
+        if shape.seq_len <= self.decode_max_queries and self.decode_split(shape) is not None:
+            return SPLIT
+        if shape.seq_len >= self.prefill_min_queries:
+            if self.prefill_pass == ROWS:
+                return ROWS
+            if self.prefill_tiling(shape) is not None:
+                return TILED
+        return SIMPLE
+
+    def rows_per_workgroup(self, shape: CallShape) -> int:
+        """Queries of a rows-pass workgroup: one block row at most."""
+        return min(self.rows_queries, shape.attributes.sparse_block_size)
+
+    def prefill_tiling(self, shape: CallShape) -> PrefillTiling | None:
+        """The tiled pass's shape for this call, shrunk until it fits workgroup memory;
+        None where no tile fits or the blocks are smaller than the smallest tile."""
+        query_tile = min(self.prefill_query_tile, shape.attributes.sparse_block_size)
+        query_regs = min(self.prefill_query_regs, query_tile)
+        if query_tile < 2 * query_regs:  # 8-token blocks: too few queries to share loads
+            return None
+        head_vec = shape.head_size // 4
+        tiling = PrefillTiling(query_tile, self.prefill_key_tile, query_regs, self.prefill_key_regs, min(self.prefill_depth_chunk, head_vec),
+                               self.prefill_value_chunk, head_vec)
+        # Only the staging chunks shrink (they cost barriers, not reuse): the larger of the
+        # two staged operands (Q and K by depth, or V by keys) halves first.
+        while tiling.workgroup_bytes() > self.workgroup_storage_bytes:
+            qk = (tiling.query_tile + tiling.key_tile) * (tiling.depth_chunk + 1)
+            v = tiling.value_chunk * tiling.value_cols * tiling.key_threads
+            if (qk >= v or tiling.value_chunk <= 4) and tiling.depth_chunk > 1:
+                tiling = dataclasses.replace(tiling, depth_chunk=tiling.depth_chunk // 2)
+            elif tiling.value_chunk > 4:
+                tiling = dataclasses.replace(tiling, value_chunk=tiling.value_chunk // 2)
+            else:
+                return None
+        return tiling if tiling.valid() else None
+
+    def decode_split(self, shape: CallShape) -> DecodeSplit | None:
+        head_vec = shape.head_size // 4
+        if head_vec > self.decode_workgroup:
+            return None
+        return DecodeSplit(self.decode_workgroup, min(self.decode_lanes_per_key, _pow2_at_least(head_vec)), self.decode_keys_per_group, head_vec)
+
+    def decode_splits(self, shape: CallShape) -> int:
+        """Slices per query: enough workgroups for the GPU, never slices thinner than
+        decode_min_keys_per_split keys, and partials that fit one storage binding."""
+        queries = shape.batch_size * shape.attributes.num_heads * shape.seq_len
+        longest = max(shape.past_lengths) + shape.seq_len  # no query sees more keys
+        splits = min(-(-self.decode_target_workgroups // queries), -(-longest // self.decode_min_keys_per_split), self.decode_max_splits)
+        per_split_bytes = queries * shape.head_size * 4  # the partial accumulators of one slice
+        return max(1, min(splits, self.max_binding_bytes // per_split_bytes))
+
+    def merge_workgroup_for(self, head_vec: int) -> int:
+        """The merge pass's workgroup: one invocation per output vec4 up to merge_workgroup."""
+        return min(self.merge_workgroup, _pow2_at_least(head_vec))
+
+
+def _pow2_at_least(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
 
 
 def value_parts(workgroup: int, head_size: int) -> int:
@@ -49,4 +266,7 @@ def attention_workgroup_bytes(workgroup: int, query_tile: int, head_size: int) -
 
 def choose_tuning(limits: dict, features: frozenset) -> Tuning:
     """The tuning for an adapter with these limits and features."""
-    return dataclasses.replace(Tuning(), workgroup_storage_bytes=int(limits.get("max-compute-workgroup-storage-size", 16384)))
+    workgroup_bytes = int(limits.get("max-compute-workgroup-storage-size", 16384))
+    binding_bytes = int(limits.get("max-storage-buffer-binding-size", 128 << 20))
+    tuning = Tuning(workgroup_storage_bytes=workgroup_bytes, max_binding_bytes=binding_bytes)
+    return tuning

@@ -1,0 +1,308 @@
+#!/usr/bin/env python3
+"""Sweep the attention kernels' tunables at the Phi-3-small shape and print the best per case.
+
+    python scripts/tune_kernels.py                     # H200: prefill 1024/4096/8192, decode at 8191 (f32 and f16 cache)
+    python scripts/tune_kernels.py --quick             # lavapipe: the same sweep at small shapes
+    python scripts/tune_kernels.py --lavapipe-check    # sparse prefill 2048 (~20% of causal pairs) vs numpy dense causal
+
+Shape (scripts/bench_common.py PHI3_SMALL): 32 query heads over 8 kv heads, head size 128,
+64-token blocks, 16 local blocks, vertical stride 8 over 32 layouts, rotary, batch 1, float32.
+
+Every candidate is a :class:`~sparse_attention_op.webgpu.tuning.Tuning` (the adapter's own,
+with some fields replaced) run by an executor of its own on the one device. Times are GPU
+time per dispatch from timestamp queries, medians over --reps calls after one warm-up call
+(which compiles). "attention ms" is the call's GPU time without the KV-append pass, which
+is the same for every candidate. Prefill reports TFLOP/s over the selected work ((query,
+key) pairs the layout lets a query see, times 4 * head_size flops); decode reports GB/s over
+the selected K/V bytes (each visible key's K and V rows, per query head). Each result is
+spot-checked against a float64 recomputation of sampled rows (8 of them); a candidate over
+the tolerance (2e-3, float16 caches 1e-2) is marked FAIL and never chosen as the best.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import PHI3_SMALL  # noqa: E402
+
+from sparse_attention_op.inputs import CaseConfig, random_inputs  # noqa: E402
+from sparse_attention_op.reference import apply_rotary, attend, block_mask  # noqa: E402
+from sparse_attention_op.spec import OpAttributes, build_call  # noqa: E402
+from sparse_attention_op.webgpu import get_executor  # noqa: E402
+from sparse_attention_op.webgpu.executor import ExecutionSettings, WebGPUExecutor  # noqa: E402
+
+#: Forces the simple pass (attention.wgsl.jinja) for a call of any length: the baseline.
+SIMPLE_PASS = dict(decode_max_queries=0, prefill_min_queries=1 << 30)
+
+#: Prefill candidates: (name, Tuning fields replaced). The first real one is the default.
+PREFILL_CANDIDATES = [
+    ("default", {}),
+    ("simple pass", SIMPLE_PASS),
+    ("rows", dict(prefill_pass="rows")),
+    ("rows kb8", dict(prefill_pass="rows", rows_key_block=8)),
+    ("rows 32", dict(prefill_pass="rows", rows_queries=32)),
+    ("q32", dict(prefill_query_tile=32)),
+    ("q32 k32", dict(prefill_query_tile=32, prefill_key_tile=32)),
+    ("regs 8x4", dict(prefill_query_regs=8, prefill_key_regs=4)),
+    ("regs 4x8", dict(prefill_query_regs=4, prefill_key_regs=8)),
+    ("regs 8x8", dict(prefill_query_regs=8, prefill_key_regs=8)),
+    ("regs 16x8", dict(prefill_query_regs=16, prefill_key_regs=8)),
+    ("regs 16x16", dict(prefill_query_regs=16, prefill_key_regs=16)),
+    ("q32 regs 8x4", dict(prefill_query_tile=32, prefill_query_regs=8)),
+    ("q32 regs 2x4", dict(prefill_query_tile=32, prefill_query_regs=2)),
+    ("depth 4", dict(prefill_depth_chunk=4)),
+    ("depth 16", dict(prefill_depth_chunk=16, prefill_value_chunk=16)),
+    ("vchunk 16", dict(prefill_value_chunk=16)),
+    ("vchunk 64", dict(prefill_value_chunk=64, prefill_depth_chunk=4)),
+]
+
+#: Decode candidates.
+DECODE_CANDIDATES = [
+    ("default", {}),
+    ("simple pass", SIMPLE_PASS),
+    ("rows", dict(prefill_pass="rows", decode_max_queries=0, prefill_min_queries=1)),
+    ("target 512", dict(decode_target_workgroups=512)),
+    ("target 2048", dict(decode_target_workgroups=2048, decode_min_keys_per_split=32)),
+    ("target 4096", dict(decode_target_workgroups=4096, decode_min_keys_per_split=16)),
+    ("lanes 4", dict(decode_lanes_per_key=4)),
+    ("lanes 16", dict(decode_lanes_per_key=16)),
+    ("lanes 32", dict(decode_lanes_per_key=32)),
+    ("keys/group 1", dict(decode_keys_per_group=1)),
+    ("keys/group 4", dict(decode_keys_per_group=4)),
+    ("wg 128", dict(decode_workgroup=128)),
+    ("wg 128 target 2048", dict(decode_workgroup=128, decode_target_workgroups=2048, decode_min_keys_per_split=32)),
+]
+
+
+@dataclasses.dataclass
+class Case:
+    kind: str  # "prefill" | "decode"
+    seq_len: int
+    past: int | None
+    cache: str  # "f32" | "f16"
+
+    @property
+    def label(self) -> str:
+        what = f"prefill {self.seq_len}" if self.kind == "prefill" else f"decode at {self.past}"
+        return what + (" f16 cache" if self.cache == "f16" else "")
+
+    def config(self, **layout) -> CaseConfig:
+        capacity = self.seq_len if self.past is None else self.past + self.seq_len
+        capacity = -(-capacity // PHI3_SMALL["sparse_block_size"]) * PHI3_SMALL["sparse_block_size"]
+        past = None if self.past is None else (self.past,)
+        return CaseConfig(seq_len=self.seq_len, max_cache_len=capacity, past_lengths=past, **{**PHI3_SMALL, **layout})
+
+
+def make_inputs(case: Case, config: CaseConfig, rng) -> dict:
+    inputs = random_inputs(config, rng)
+    if case.cache == "f16":  # what a float16 graph hands over: float16 values
+        inputs = {k: (v.astype(np.float16).astype(np.float32) if v.dtype == np.float32 else v) for k, v in inputs.items()}
+    return inputs
+
+
+def visible_keys(inputs, attrs) -> np.ndarray:
+    """Keys each (head, token) query sees, for batch row 0: the selected work."""
+    s = inputs["query"].shape[1]
+    blk, nh = attrs["sparse_block_size"], attrs["num_heads"]
+    total = int(inputs["total_sequence_length"][0])
+    past = 0 if total == s else int(inputs["key_total_sequence_lengths"][0]) - s
+    mask = block_mask(inputs["block_row_indices"], inputs["block_col_indices"])  # (layout, rows, cols)
+    positions = past + np.arange(s)
+    rows = positions // blk
+    counts = np.zeros((nh, s), np.int64)
+    for head in range(nh):
+        selected = mask[head % mask.shape[0]][rows]  # (s, cols)
+        earlier = (selected & (np.arange(mask.shape[2])[None, :] < rows[:, None])).sum(axis=1) * blk
+        diagonal = selected[np.arange(s), rows] * (positions - rows * blk + 1)
+        counts[head] = earlier + diagonal
+    return counts
+
+
+def spot_check(inputs, attrs, output, samples: int, rng) -> float:
+    """Largest error of sampled (batch 0, token, head) rows against a float64 recomputation."""
+    s = inputs["query"].shape[1]
+    nh, nkv, h, blk = attrs["num_heads"], attrs["kv_num_heads"], inputs["past_key"].shape[3], attrs["sparse_block_size"]
+    total = int(inputs["total_sequence_length"][0])
+    past = 0 if total == s else int(inputs["key_total_sequence_lengths"][0]) - s
+    mask = block_mask(inputs["block_row_indices"], inputs["block_col_indices"])
+    scale = 1.0 / np.sqrt(h)
+    cos, sin = inputs["cos_cache"], inputs["sin_cache"]
+    worst = 0.0
+    for _ in range(samples):
+        head, t = int(rng.integers(nh)), int(rng.integers(s))
+        kv = head // (nh // nkv)
+        keys = inputs["past_key"][0, kv, : past + s].astype(np.float64)
+        values = inputs["past_value"][0, kv, : past + s].astype(np.float64)
+        new_k = inputs["key"][0].reshape(s, nkv, h)[:, kv]
+        keys[past:] = apply_rotary(new_k, past + np.arange(s), cos, sin, False)
+        values[past:] = inputs["value"][0].reshape(s, nkv, h)[:, kv]
+        q = apply_rotary(inputs["query"][0, t : t + 1, head * h : (head + 1) * h], np.array([past + t]), cos, sin, False)
+        want = attend(q, keys, values, np.array([past + t]), mask[head % mask.shape[0]], blk, scale)[0]
+        worst = max(worst, float(np.abs(output[0, t, head * h : (head + 1) * h] - want).max()))
+    return worst
+
+
+def time_candidate(executor, call, case: Case, reps: int) -> tuple[dict, np.ndarray]:
+    """Median GPU seconds per dispatch label over reps calls (after a warm-up), and the output."""
+    settings = ExecutionSettings(profile=True)
+    node = f"tune/{case.label}"
+    result = executor.run(call, node, settings)  # warm-up: compiles, allocates
+    samples = []
+    for _ in range(reps):
+        result = executor.run(call, node, settings)
+        samples.append(result.stats.gpu_seconds)
+    labels = samples[0].keys()
+    return {label: statistics.median(s[label] for s in samples) for label in labels}, result.output
+
+
+def run_sweep(args) -> int:
+    base_executor = get_executor()
+    context = base_executor.context
+    if "timestamp-query" not in context.features:
+        print("this adapter has no timestamp queries: GPU times cannot be measured", file=sys.stderr)
+        return 2
+    base = base_executor.tuning
+    print(f"# {' '.join(sys.argv)}\n# adapter {context.description}, workgroup memory {context.workgroup_storage_bytes} B, "
+          f"binding {context.max_binding_bytes} B\n# base tuning: {base}\n")
+    cases = [Case("prefill", s, None, "f32") for s in args.prefill]
+    cases += [Case("decode", 1, p, cache) for p in args.decode for cache in ("f32", "f16")]
+    wanted = set(args.only or [])
+    rng = np.random.default_rng(0)
+    print("| case | candidate | passes (GPU ms) | attention ms | total ms | rate | max err |")
+    print("|---|---|---|---|---|---|---|")
+    best: dict[str, tuple[float, str]] = {}
+    started = time.perf_counter()
+    for case in cases:
+        config = case.config()
+        inputs = make_inputs(case, config, rng)
+        attrs = config.node_attributes()
+        call = build_call(inputs, OpAttributes.from_mapping(attrs), float16_storage=case.cache == "f16")
+        counts = visible_keys(inputs, attrs)
+        h = config.head_size
+        work = float(counts.sum()) * 4 * h if case.kind == "prefill" else float(counts.sum()) * 2 * h * (2 if case.cache == "f16" else 4)
+        candidates = PREFILL_CANDIDATES if case.kind == "prefill" else DECODE_CANDIDATES
+        for name, fields in candidates:
+            if wanted and name not in wanted and name != "default":
+                continue
+            executor = WebGPUExecutor(context, dataclasses.replace(base, **fields))
+            try:
+                seconds, output = time_candidate(executor, call, case, args.reps)
+            finally:
+                executor.release("")
+            error = spot_check(inputs, attrs, output, 8, rng)
+            tolerance = 1e-2 if case.cache == "f16" else 2e-3
+            attention = sum(v for k, v in seconds.items() if k != "kv_append")
+            total = sum(seconds.values())
+            rate = f"{work / attention / 1e12:.2f} TFLOP/s" if case.kind == "prefill" else f"{work / attention / 1e9:.0f} GB/s"
+            passes = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in seconds.items())
+            ok = error <= tolerance
+            print(f"| {case.label} | {name} | {passes} | {attention * 1e3:.3f} | {total * 1e3:.3f} | {rate} | "
+                  f"{error:.1e}{'' if ok else ' FAIL'} |", flush=True)
+            if ok and (case.label not in best or attention < best[case.label][0]):
+                best[case.label] = (attention, name)
+    print(f"\nSweep took {time.perf_counter() - started:.0f} s.\n\nBest per case (attention GPU ms):")
+    for label, (seconds, name) in best.items():
+        fields = dict(PREFILL_CANDIDATES + DECODE_CANDIDATES)[name]
+        print(f"- {label}: {name} {fields or ''} {seconds * 1e3:.3f} ms")
+    return 0
+
+
+def lavapipe_check(args) -> int:
+    """Sparse prefill of 2048 tokens with ~20% of the causal pairs against numpy dense causal."""
+    executor = get_executor()
+    seq_len = args.check_len
+    case = Case("prefill", seq_len, None, "f32")
+    # 2 local blocks plus every 8th column: about a fifth of the causal pairs at 2048 tokens.
+    config = case.config(local_blocks=args.check_local_blocks, vert_stride=8)
+    rng = np.random.default_rng(1)
+    inputs = make_inputs(case, config, rng)
+    attrs = config.node_attributes()
+    counts = visible_keys(inputs, attrs)
+    causal = config.num_heads * seq_len * (seq_len + 1) / 2
+    call = build_call(inputs, OpAttributes.from_mapping(attrs))
+    settings = ExecutionSettings(profile=True)
+    timings = []  # (candidate, wall, gpu, error)
+    for name, fields in [c for c in PREFILL_CANDIDATES if c[0] == "default" or c[0] in (args.only or [])]:
+        candidate = WebGPUExecutor(executor.context, dataclasses.replace(executor.tuning, **fields))
+        candidate.run(call, "check", settings)
+        walls, gpus = [], []
+        for _ in range(args.reps):
+            start = time.perf_counter()
+            result = candidate.run(call, "check", settings)
+            walls.append(time.perf_counter() - start)
+            gpus.append(result.stats.gpu_total)
+        candidate.release("")
+        timings.append((name, statistics.median(walls), statistics.median(gpus), spot_check(inputs, attrs, result.output, 8, rng)))
+
+    # numpy: dense causal attention of the same shape (rotated q and k, every causal pair).
+    h, nh, nkv = config.head_size, config.num_heads, config.kv_num_heads
+    positions = np.arange(seq_len)
+    q = apply_rotary(inputs["query"][0].reshape(seq_len, nh, h).transpose(1, 0, 2), positions, inputs["cos_cache"], inputs["sin_cache"], False)
+    k = apply_rotary(inputs["key"][0].reshape(seq_len, nkv, h).transpose(1, 0, 2), positions, inputs["cos_cache"], inputs["sin_cache"], False)
+    q, k = q.astype(np.float32), k.astype(np.float32)
+    v = inputs["value"][0].reshape(seq_len, nkv, h).transpose(1, 0, 2)
+    future = np.triu(np.ones((seq_len, seq_len), bool), 1)
+
+    def dense():
+        out = np.empty((nh, seq_len, h), np.float32)
+        for head in range(nh):
+            kv = head // (nh // nkv)
+            scores = (q[head] @ k[kv].T) * np.float32(1 / np.sqrt(h))
+            scores[future] = -np.inf
+            scores -= scores.max(axis=1, keepdims=True)
+            np.exp(scores, out=scores)
+            scores /= scores.sum(axis=1, keepdims=True)
+            out[head] = scores @ v[kv]
+        return out
+
+    dense()
+    dense_times = []
+    for _ in range(args.reps):
+        start = time.perf_counter()
+        dense()
+        dense_times.append(time.perf_counter() - start)
+    numpy_s = statistics.median(dense_times)
+    flops = float(counts.sum()) * 4 * h
+    print(f"# {' '.join(sys.argv)}\n# adapter {executor.context.description}, {os.cpu_count()} CPUs")
+    print(f"prefill {seq_len}, {nh}/{nkv} heads, head {h}, block {config.sparse_block_size}, {config.local_blocks} local blocks, "
+          f"vertical stride 8: {counts.sum() / causal:.1%} of the causal pairs selected ({flops / 1e9:.2f} GFLOP)")
+    print("| what | call ms (wall) | GPU ms (all passes) | GPU / numpy | GFLOP/s | max err |")
+    print("|---|---|---|---|---|---|")
+    print(f"| numpy dense causal (float32, OpenBLAS) | {numpy_s * 1e3:.1f} | - | 1.00x | - | - |")
+    for name, wall, gpu, error in timings:
+        print(f"| WebGPU, {name} | {wall * 1e3:.1f} | {gpu * 1e3:.1f} | {gpu / numpy_s:.2f}x | {flops / gpu / 1e9:.1f} | {error:.1e} |")
+    return 0 if all(error <= 2e-3 for *_, error in timings) else 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small shapes for lavapipe: prefill 256/512, decode at 1023")
+    parser.add_argument("--prefill", type=int, nargs="*", default=None, help="prompt lengths (default 1024 4096 8192)")
+    parser.add_argument("--decode", type=int, nargs="*", default=None, help="histories of a decode step (default 8191)")
+    parser.add_argument("--reps", type=int, default=None, help="timed calls per candidate (default 5, --quick 3)")
+    parser.add_argument("--only", nargs="*", help="candidate names to run besides 'default'")
+    parser.add_argument("--lavapipe-check", action="store_true", help="sparse prefill vs numpy dense causal attention")
+    parser.add_argument("--check-len", type=int, default=2048)
+    parser.add_argument("--check-local-blocks", type=int, default=2, help="2: about 20%% of the causal pairs at 2048")
+    args = parser.parse_args()
+    if args.reps is None:
+        args.reps = 3 if (args.quick or args.lavapipe_check) else 5
+    if args.lavapipe_check:
+        return lavapipe_check(args)
+    if args.prefill is None:
+        args.prefill = [256, 512] if args.quick else [1024, 4096, 8192]
+    if args.decode is None:
+        args.decode = [1023] if args.quick else [8191]
+    return run_sweep(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
