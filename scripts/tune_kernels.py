@@ -11,7 +11,8 @@ Shape (scripts/bench_common.py PHI3_SMALL): 32 query heads over 8 kv heads, head
 Every candidate is a :class:`~sparse_attention_op.webgpu.tuning.Tuning` (the adapter's own,
 with some fields replaced) run by an executor of its own on the one device. Times are GPU
 time per dispatch from timestamp queries, medians over --reps calls after one warm-up call
-(which compiles). "attention ms" is the call's GPU time without the KV-append pass, which
+(which compiles); each call runs its dispatches --repeats times back to back and only the
+later half counts (RepeatedDispatches says why). "attention ms" is the call's GPU time without the KV-append pass, which
 is the same for every candidate. Prefill reports TFLOP/s over the selected work ((query,
 key) pairs the layout lets a query see, times 4 * head_size flops); decode reports GB/s over
 the selected K/V bytes (each visible key's K and V rows, per query head). Each result is
@@ -36,8 +37,12 @@ from bench_common import PHI3_SMALL  # noqa: E402
 from sparse_attention_op.inputs import CaseConfig, random_inputs  # noqa: E402
 from sparse_attention_op.reference import apply_rotary, attend, block_mask  # noqa: E402
 from sparse_attention_op.spec import OpAttributes, build_call  # noqa: E402
-from sparse_attention_op.webgpu import get_executor  # noqa: E402
+from sparse_attention_op.webgpu import get_executor, kernels  # noqa: E402
 from sparse_attention_op.webgpu.executor import ExecutionSettings, WebGPUExecutor  # noqa: E402
+
+#: GPU work per timed call that the repetitions aim for, and their cap (decode is ~50 us).
+SETTLE_SECONDS = 0.05
+MAX_REPEATS = 400
 
 #: Forces the simple pass (attention.wgsl.jinja) for a call of any length: the baseline.
 SIMPLE_PASS = dict(decode_max_queries=0, prefill_min_queries=1 << 30)
@@ -47,38 +52,34 @@ PREFILL_CANDIDATES = [
     ("default", {}),
     ("simple pass", SIMPLE_PASS),
     ("rows", dict(prefill_pass="rows")),
-    ("rows kb8", dict(prefill_pass="rows", rows_key_block=8)),
-    ("rows 32", dict(prefill_pass="rows", rows_queries=32)),
-    ("q32", dict(prefill_query_tile=32)),
-    ("q32 k32", dict(prefill_query_tile=32, prefill_key_tile=32)),
-    ("regs 8x4", dict(prefill_query_regs=8, prefill_key_regs=4)),
-    ("regs 4x8", dict(prefill_query_regs=4, prefill_key_regs=8)),
-    ("regs 8x8", dict(prefill_query_regs=8, prefill_key_regs=8)),
-    ("regs 16x8", dict(prefill_query_regs=16, prefill_key_regs=8)),
-    ("regs 16x16", dict(prefill_query_regs=16, prefill_key_regs=16)),
-    ("q32 regs 8x4", dict(prefill_query_tile=32, prefill_query_regs=8)),
-    ("q32 regs 2x4", dict(prefill_query_tile=32, prefill_query_regs=2)),
+    ("no prefetch", dict(prefill_prefetch=False)),
     ("depth 4", dict(prefill_depth_chunk=4)),
     ("depth 16", dict(prefill_depth_chunk=16, prefill_value_chunk=16)),
     ("vchunk 16", dict(prefill_value_chunk=16)),
-    ("vchunk 64", dict(prefill_value_chunk=64, prefill_depth_chunk=4)),
+    ("regs 8x4", dict(prefill_query_regs=8)),
+    ("regs 4x8", dict(prefill_key_regs=8)),
+    ("q32", dict(prefill_query_tile=32)),
+    ("q32 k32", dict(prefill_query_tile=32, prefill_key_tile=32)),
+    ("q32 regs 2x4", dict(prefill_query_tile=32, prefill_query_regs=2)),
+    ("q32 regs 2x4 depth 4", dict(prefill_query_tile=32, prefill_query_regs=2, prefill_depth_chunk=4)),
+    ("q32 regs 8x4", dict(prefill_query_tile=32, prefill_query_regs=8)),
+    ("q16 regs 2x4", dict(prefill_query_tile=16, prefill_query_regs=2)),
 ]
 
 #: Decode candidates.
 DECODE_CANDIDATES = [
     ("default", {}),
     ("simple pass", SIMPLE_PASS),
-    ("rows", dict(prefill_pass="rows", decode_max_queries=0, prefill_min_queries=1)),
+    ("target 256", dict(decode_target_workgroups=256)),
     ("target 512", dict(decode_target_workgroups=512)),
     ("target 2048", dict(decode_target_workgroups=2048, decode_min_keys_per_split=32)),
-    ("target 4096", dict(decode_target_workgroups=4096, decode_min_keys_per_split=16)),
-    ("lanes 4", dict(decode_lanes_per_key=4)),
     ("lanes 16", dict(decode_lanes_per_key=16)),
-    ("lanes 32", dict(decode_lanes_per_key=32)),
     ("keys/group 1", dict(decode_keys_per_group=1)),
     ("keys/group 4", dict(decode_keys_per_group=4)),
     ("wg 128", dict(decode_workgroup=128)),
-    ("wg 128 target 2048", dict(decode_workgroup=128, decode_target_workgroups=2048, decode_min_keys_per_split=32)),
+    ("wg 128 target 512", dict(decode_workgroup=128, decode_target_workgroups=512)),
+    ("wg 64", dict(decode_workgroup=64)),
+    ("wg 64 target 2048", dict(decode_workgroup=64, decode_target_workgroups=2048, decode_min_keys_per_split=32)),
 ]
 
 
@@ -150,17 +151,65 @@ def spot_check(inputs, attrs, output, samples: int, rng) -> float:
     return worst
 
 
-def time_candidate(executor, call, case: Case, reps: int) -> tuple[dict, np.ndarray]:
-    """Median GPU seconds per dispatch label over reps calls (after a warm-up), and the output."""
+class RepeatedDispatches:
+    """Within this context every call runs its dispatch list ``times`` times back to back
+    in its one submission (each dispatch idempotent: the same inputs, the same outputs).
+
+    A single call keeps the GPU busy for a few milliseconds at most, between host work of
+    tens of milliseconds: a GPU that lowers its clocks when idle (the H200 idles at 345 MHz
+    against 1980 MHz under load) would be timed at whatever clock the last gap left it. Back
+    to back, the later repetitions run at the clock a sustained load gets, and only those
+    count (:func:`settled_seconds`). The executor plans its dispatches through
+    ``kernels.call_dispatches``, which this wraps: nothing else of the call changes."""
+
+    def __init__(self, times: int):
+        self.times = times
+
+    def __enter__(self):
+        self.original = kernels.call_dispatches
+        original, times = self.original, self.times
+
+        def call_dispatches(shape, tuning, cache, resources):
+            once = original(shape, tuning, cache, resources)
+            return [dataclasses.replace(d, label=f"{d.label}#{i}") for i in range(times) for d in once]
+
+        kernels.call_dispatches = call_dispatches
+        return self
+
+    def __exit__(self, *exc):
+        kernels.call_dispatches = self.original
+
+
+def settled_seconds(samples: list[dict]) -> dict:
+    """Median GPU seconds per dispatch label over the later half of each call's repetitions."""
+    times: dict[str, list[float]] = {}
+    for sample in samples:
+        repeats = 1 + max(int(label.rpartition("#")[2]) for label in sample)
+        for label, seconds in sample.items():
+            name, _, index = label.rpartition("#")
+            if int(index) >= repeats // 2:
+                times.setdefault(name, []).append(seconds)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def time_candidate(executor, call, case: Case, reps: int, repeats: int) -> tuple[dict, np.ndarray]:
+    """Settled GPU seconds per dispatch over reps calls, and the output of a plain call.
+
+    A plain call first (it compiles and allocates, and its output is what gets checked);
+    then the dispatch list repeats enough times for about SETTLE_SECONDS of GPU work per
+    call (at least ``repeats``), one such call untimed to bring the clocks up, then reps."""
     settings = ExecutionSettings(profile=True)
     node = f"tune/{case.label}"
-    result = executor.run(call, node, settings)  # warm-up: compiles, allocates
+    result = executor.run(call, node, settings)
+    output = result.output
+    once = max(result.stats.gpu_total or 0.0, 1e-6)
+    repeats = max(repeats, min(MAX_REPEATS, int(SETTLE_SECONDS / once) + 1))
     samples = []
-    for _ in range(reps):
-        result = executor.run(call, node, settings)
-        samples.append(result.stats.gpu_seconds)
-    labels = samples[0].keys()
-    return {label: statistics.median(s[label] for s in samples) for label in labels}, result.output
+    with RepeatedDispatches(repeats):
+        executor.run(call, node, settings)
+        for _ in range(reps):
+            samples.append(executor.run(call, node, settings).stats.gpu_seconds)
+    return settled_seconds(samples), output
 
 
 def run_sweep(args) -> int:
@@ -194,7 +243,7 @@ def run_sweep(args) -> int:
                 continue
             executor = WebGPUExecutor(context, dataclasses.replace(base, **fields))
             try:
-                seconds, output = time_candidate(executor, call, case, args.reps)
+                seconds, output = time_candidate(executor, call, case, args.reps, args.repeats)
             finally:
                 executor.release("")
             error = spot_check(inputs, attrs, output, 8, rng)
@@ -288,6 +337,7 @@ def main() -> int:
     parser.add_argument("--prefill", type=int, nargs="*", default=None, help="prompt lengths (default 1024 4096 8192)")
     parser.add_argument("--decode", type=int, nargs="*", default=None, help="histories of a decode step (default 8191)")
     parser.add_argument("--reps", type=int, default=None, help="timed calls per candidate (default 5, --quick 3)")
+    parser.add_argument("--repeats", type=int, default=None, help="dispatch list repetitions per call (default 10, --quick 2)")
     parser.add_argument("--only", nargs="*", help="candidate names to run besides 'default'")
     parser.add_argument("--lavapipe-check", action="store_true", help="sparse prefill vs numpy dense causal attention")
     parser.add_argument("--check-len", type=int, default=2048)
@@ -295,6 +345,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.reps is None:
         args.reps = 3 if (args.quick or args.lavapipe_check) else 5
+    if args.repeats is None:
+        args.repeats = 2 if args.quick else 10
     if args.lavapipe_check:
         return lavapipe_check(args)
     if args.prefill is None:

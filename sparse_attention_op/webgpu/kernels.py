@@ -233,6 +233,7 @@ def prefill_tiled(shape: CallShape, tiling: PrefillTiling, cache: CacheFormat, r
             ("team", tiling.team),
             ("probs_row", tiling.probs_row_vec4),
             ("stage_vec4", tiling.stage_vec4),
+            ("prefetch", tiling.prefetch),
         ),
     )
     workgroups = (shape.attributes.num_heads, _tiled_rows(shape, tiling.query_tile), shape.batch_size)

@@ -40,6 +40,7 @@ class PrefillTiling:
     depth_chunk: int  # vec4s of the head staged per Q.K^T step (DCV)
     value_chunk: int  # keys of V staged per P.V step (KC)
     head_vec: int  # head_size / 4
+    prefetch: bool = True  # software-pipelined staging (loads a step ahead, in registers)
 
     @property
     def query_threads(self) -> int:
@@ -150,6 +151,10 @@ class Tuning:
     prefill_depth_chunk: int = 8
     #: Keys of V per staging step: 32 x 128 floats = 16 KiB at head size 128.
     prefill_value_chunk: int = 32
+    #: Issue each staging step's global loads one step ahead (into registers), so their
+    #: latency hides behind the current step's arithmetic instead of stalling between
+    #: barriers. Costs a few registers per invocation (one vec4 per staged vec4).
+    prefill_prefetch: bool = True
     #: Calls of fewer queries (and more than decode_max_queries) use the simple pass.
     prefill_min_queries: int = 17
 
@@ -211,7 +216,7 @@ class Tuning:
             return None
         head_vec = shape.head_size // 4
         tiling = PrefillTiling(query_tile, self.prefill_key_tile, query_regs, self.prefill_key_regs, min(self.prefill_depth_chunk, head_vec),
-                               self.prefill_value_chunk, head_vec)
+                               self.prefill_value_chunk, head_vec, self.prefill_prefetch)
         # Only the staging chunks shrink (they cost barriers, not reuse): the larger of the
         # two staged operands (Q and K by depth, or V by keys) halves first.
         while tiling.workgroup_bytes() > self.workgroup_storage_bytes:
