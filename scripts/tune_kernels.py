@@ -11,8 +11,9 @@ Shape (scripts/bench_common.py PHI3_SMALL): 32 query heads over 8 kv heads, head
 Every candidate is a :class:`~sparse_attention_op.webgpu.tuning.Tuning` (the adapter's own,
 with some fields replaced) run by an executor of its own on the one device. Times are GPU
 time per dispatch from timestamp queries, medians over --reps calls after one warm-up call
-(which compiles); each call runs its dispatches --repeats times back to back and only the
-later half counts (RepeatedDispatches says why). "attention ms" is the call's GPU time without the KV-append pass, which
+(which compiles); each timed call runs a warmer dispatch, then its dispatches back to back
+(at least --repeats times, about 50 ms of GPU work) and only the later half counts
+(RepeatedDispatches says why). "attention ms" is the call's GPU time without the KV-append pass, which
 is the same for every candidate. Prefill reports TFLOP/s over the selected work ((query,
 key) pairs the layout lets a query see, times 4 * head_size flops); decode reports GB/s over
 the selected K/V bytes (each visible key's K and V rows, per query head). Each result is
@@ -29,6 +30,7 @@ import statistics
 import sys
 import time
 
+import jinja2
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -39,10 +41,15 @@ from sparse_attention_op.reference import apply_rotary, attend, block_mask  # no
 from sparse_attention_op.spec import OpAttributes, build_call  # noqa: E402
 from sparse_attention_op.webgpu import get_executor, kernels  # noqa: E402
 from sparse_attention_op.webgpu.executor import ExecutionSettings, WebGPUExecutor  # noqa: E402
+from sparse_attention_op.webgpu.programs import Binding, Dispatch, Program, _environment  # noqa: E402
 
 #: GPU work per timed call that the repetitions aim for, and their cap (decode is ~50 us).
 SETTLE_SECONDS = 0.05
 MAX_REPEATS = 400
+#: The warmer: GPU seconds before each timed call, its grid, its calibration run's length.
+WARM_SECONDS = 0.03
+WARMER_GROUPS = 4096
+WARM_CALIBRATION = 20000
 
 #: Forces the simple pass (attention.wgsl.jinja) for a call of any length: the baseline.
 SIMPLE_PASS = dict(decode_max_queries=0, prefill_min_queries=1 << 30)
@@ -56,14 +63,12 @@ PREFILL_CANDIDATES = [
     ("depth 4", dict(prefill_depth_chunk=4)),
     ("depth 16", dict(prefill_depth_chunk=16, prefill_value_chunk=16)),
     ("vchunk 16", dict(prefill_value_chunk=16)),
+    ("vchunk 64", dict(prefill_value_chunk=64, prefill_depth_chunk=4)),
+    ("k32", dict(prefill_key_tile=32)),
+    ("k32 depth 16", dict(prefill_key_tile=32, prefill_depth_chunk=16)),
     ("regs 8x4", dict(prefill_query_regs=8)),
     ("regs 4x8", dict(prefill_key_regs=8)),
-    ("q32", dict(prefill_query_tile=32)),
-    ("q32 k32", dict(prefill_query_tile=32, prefill_key_tile=32)),
     ("q32 regs 2x4", dict(prefill_query_tile=32, prefill_query_regs=2)),
-    ("q32 regs 2x4 depth 4", dict(prefill_query_tile=32, prefill_query_regs=2, prefill_depth_chunk=4)),
-    ("q32 regs 8x4", dict(prefill_query_tile=32, prefill_query_regs=8)),
-    ("q16 regs 2x4", dict(prefill_query_tile=16, prefill_query_regs=2)),
 ]
 
 #: Decode candidates.
@@ -73,13 +78,13 @@ DECODE_CANDIDATES = [
     ("target 256", dict(decode_target_workgroups=256)),
     ("target 512", dict(decode_target_workgroups=512)),
     ("target 2048", dict(decode_target_workgroups=2048, decode_min_keys_per_split=32)),
+    ("lanes 4", dict(decode_lanes_per_key=4)),
     ("lanes 16", dict(decode_lanes_per_key=16)),
     ("keys/group 1", dict(decode_keys_per_group=1)),
     ("keys/group 4", dict(decode_keys_per_group=4)),
     ("wg 128", dict(decode_workgroup=128)),
     ("wg 128 target 512", dict(decode_workgroup=128, decode_target_workgroups=512)),
-    ("wg 64", dict(decode_workgroup=64)),
-    ("wg 64 target 2048", dict(decode_workgroup=64, decode_target_workgroups=2048, decode_min_keys_per_split=32)),
+    ("merge wg 64", dict(merge_workgroup=64)),
 ]
 
 
@@ -151,27 +156,49 @@ def spot_check(inputs, attrs, output, samples: int, rng) -> float:
     return worst
 
 
+#: A dispatch that only keeps the GPU busy (an FMA chain per invocation), run before the
+#: timed dispatches of a call so that they start at the clock a sustained load gets.
+WARMER_TEMPLATE = """{{ declarations }}
+@compute @workgroup_size(256, 1, 1)
+fn main(@builtin(global_invocation_id) id: vec3<u32>) {
+  var x = f32(id.x) * 1e-9;
+  for (var i = 0u; i < params.iterations; i = i + 1u) {
+    x = fma(x, 0.999999, 1e-7);
+  }
+  if (x == 12345.0) {  // never true; keeps the loop from being optimised away
+    output[0] = vec4<f32>(x);
+  }
+}
+"""
+WARMER = Program(template="clock_warmer.wgsl.jinja", bindings=(Binding("output", "vec4<f32>", writable=True),),
+                 uniforms=(("iterations", "u32"),), constants=())
+_environment.loader = jinja2.ChoiceLoader([_environment.loader, jinja2.DictLoader({WARMER.template: WARMER_TEMPLATE})])
+
+
 class RepeatedDispatches:
     """Within this context every call runs its dispatch list ``times`` times back to back
-    in its one submission (each dispatch idempotent: the same inputs, the same outputs).
+    in its one submission (each dispatch idempotent: the same inputs, the same outputs),
+    after a warmer dispatch of about ``warm_seconds``.
 
     A single call keeps the GPU busy for a few milliseconds at most, between host work of
     tens of milliseconds: a GPU that lowers its clocks when idle (the H200 idles at 345 MHz
-    against 1980 MHz under load) would be timed at whatever clock the last gap left it. Back
-    to back, the later repetitions run at the clock a sustained load gets, and only those
-    count (:func:`settled_seconds`). The executor plans its dispatches through
-    ``kernels.call_dispatches``, which this wraps: nothing else of the call changes."""
+    against 1980 MHz under load) would be timed at whatever clock the last gap left it. After
+    the warmer and back to back, the repetitions run at the clock a sustained load gets, and
+    only the later half counts (:func:`settled_seconds`). The executor plans its dispatches
+    through ``kernels.call_dispatches``, which this wraps: nothing else of the call changes."""
 
-    def __init__(self, times: int):
+    def __init__(self, times: int, warm_iterations: int = 0):
         self.times = times
+        self.warm_iterations = warm_iterations
 
     def __enter__(self):
         self.original = kernels.call_dispatches
-        original, times = self.original, self.times
+        original, times, warm = self.original, self.times, self.warm_iterations
 
         def call_dispatches(shape, tuning, cache, resources):
             once = original(shape, tuning, cache, resources)
-            return [dataclasses.replace(d, label=f"{d.label}#{i}") for i in range(times) for d in once]
+            warmer = [Dispatch("warmer#0", WARMER, {"output": resources["output"]}, {"iterations": warm}, (WARMER_GROUPS, 1, 1))] if warm else []
+            return warmer + [dataclasses.replace(d, label=f"{d.label}#{i}") for i in range(times) for d in once]
 
         kernels.call_dispatches = call_dispatches
         return self
@@ -187,7 +214,7 @@ def settled_seconds(samples: list[dict]) -> dict:
         repeats = 1 + max(int(label.rpartition("#")[2]) for label in sample)
         for label, seconds in sample.items():
             name, _, index = label.rpartition("#")
-            if int(index) >= repeats // 2:
+            if name != "warmer" and int(index) >= repeats // 2:
                 times.setdefault(name, []).append(seconds)
     return {name: statistics.median(values) for name, values in times.items()}
 
@@ -204,9 +231,11 @@ def time_candidate(executor, call, case: Case, reps: int, repeats: int) -> tuple
     output = result.output
     once = max(result.stats.gpu_total or 0.0, 1e-6)
     repeats = max(repeats, min(MAX_REPEATS, int(SETTLE_SECONDS / once) + 1))
+    with RepeatedDispatches(1, WARM_CALIBRATION):  # how long the warmer's iterations take
+        calibration = executor.run(call, node, settings).stats.gpu_seconds["warmer#0"]
+    warm = min(2**31, int(WARM_CALIBRATION * WARM_SECONDS / max(calibration, 1e-6)))
     samples = []
-    with RepeatedDispatches(repeats):
-        executor.run(call, node, settings)
+    with RepeatedDispatches(repeats, warm):
         for _ in range(reps):
             samples.append(executor.run(call, node, settings).stats.gpu_seconds)
     return settled_seconds(samples), output

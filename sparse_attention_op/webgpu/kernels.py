@@ -32,6 +32,13 @@ class CacheFormat:
         return VEC4_F16 if self.f16 else VEC4
 
 
+def _pow2_at_least(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
 def bind(label: str, program: Program, resources: Mapping[str, BufferRange], uniforms: dict, workgroups) -> Dispatch:
     """A dispatch of ``program`` on the resources its bindings name."""
     missing = [b.name for b in program.bindings if b.name not in resources]
@@ -200,11 +207,12 @@ def _layout_uniforms(shape: CallShape, cache: CacheFormat) -> dict:
     """The uniforms every attention pass reads to find a head's cache rows and layout row."""
     attrs = shape.attributes
     return dict(seq_len=shape.seq_len, num_heads=attrs.num_heads, kv_num_heads=attrs.kv_num_heads, cache_rows=cache.rows,
-                num_layout=shape.num_layout, max_blocks=shape.max_blocks, block_size=attrs.sparse_block_size)
+                num_layout=shape.num_layout, max_blocks=shape.max_blocks, block_size=attrs.sparse_block_size,
+                block_shift=attrs.sparse_block_size.bit_length() - 1)
 
 
 _LAYOUT_UNIFORMS = (("seq_len", "u32"), ("num_heads", "u32"), ("kv_num_heads", "u32"), ("cache_rows", "u32"),
-                    ("num_layout", "u32"), ("max_blocks", "u32"), ("block_size", "u32"))
+                    ("num_layout", "u32"), ("max_blocks", "u32"), ("block_size", "u32"), ("block_shift", "u32"))
 
 
 def prefill_tiled(shape: CallShape, tiling: PrefillTiling, cache: CacheFormat, resources: Mapping[str, BufferRange]) -> Dispatch:
@@ -293,7 +301,7 @@ def decode_merge(shape: CallShape, tuning: Tuning, splits: int, cache: CacheForm
     """One workgroup per query: the slices' partials combined into the output."""
     attrs = shape.attributes
     head_vec = shape.head_size // 4
-    workgroup = tuning.merge_workgroup_for(head_vec)
+    workgroup = max(tuning.merge_workgroup, _pow2_at_least(head_vec))  # at least one invocation per output vec4
     program = Program(
         template="decode_merge.wgsl.jinja",
         bindings=(
@@ -304,7 +312,7 @@ def decode_merge(shape: CallShape, tuning: Tuning, splits: int, cache: CacheForm
             Binding("output", VEC4, writable=True),
         ),
         uniforms=(("count", "u32"), ("seq_len", "u32"), ("num_heads", "u32"), ("kv_num_heads", "u32"), ("cache_rows", "u32"), ("splits", "u32")),
-        constants=(("head_vec", head_vec), ("workgroup_size", workgroup)),
+        constants=(("head_vec", head_vec), ("workgroup_size", workgroup), ("max_splits", tuning.decode_max_splits)),
     )
     count = shape.batch_size * shape.seq_len * attrs.num_heads
     uniforms = dict(count=count, seq_len=shape.seq_len, num_heads=attrs.num_heads, kv_num_heads=attrs.kv_num_heads,

@@ -181,7 +181,9 @@ class Tuning:
     #: No split gets fewer keys than this (a split re-reads q and writes a partial).
     decode_min_keys_per_split: int = 64
     decode_max_splits: int = 64
-    merge_workgroup: int = 64
+    #: The merge pass: invocations per query (at least one per output vec4); the spare
+    #: ones read disjoint slices in parallel.
+    merge_workgroup: int = 256
 
     # -- shape-dependent choices -----------------------------------------------------------
     def attention_queries(self, shape: CallShape) -> int:
@@ -244,10 +246,6 @@ class Tuning:
         splits = min(-(-self.decode_target_workgroups // queries), -(-longest // self.decode_min_keys_per_split), self.decode_max_splits)
         per_split_bytes = queries * shape.head_size * 4  # the partial accumulators of one slice
         return max(1, min(splits, self.max_binding_bytes // per_split_bytes))
-
-    def merge_workgroup_for(self, head_vec: int) -> int:
-        """The merge pass's workgroup: one invocation per output vec4 up to merge_workgroup."""
-        return min(self.merge_workgroup, _pow2_at_least(head_vec))
 
 
 def _pow2_at_least(n: int) -> int:
