@@ -78,6 +78,10 @@ class PrefillTiling:
         team's reads (rows apart by the stride) land on distinct banks."""
         return self.key_tile // 4 + 1
 
+    def barriers_per_key(self) -> float:
+        depth_steps = -(-self.head_vec // self.depth_chunk)
+        return (2 * depth_steps + 3 + 2 * (self.key_tile // self.value_chunk - 1)) / self.key_tile
+
     def workgroup_bytes(self) -> int:
         stage = self.stage_vec4 * 16
         probs = self.query_tile * self.probs_row_vec4 * 16
@@ -134,6 +138,8 @@ class Tuning:
     workgroup_storage_bytes: int = 16384
     #: Largest storage binding (bytes): scratch buffers must fit in one.
     max_binding_bytes: int = 128 << 20
+    #: Most invocations a workgroup may have (WebGPU guarantees 256).
+    max_invocations: int = 256
 
     # -- the tiled prefill pass ----------------------------------------------------------
     #: Queries per workgroup. 64 = one Phi-3 block row: the K/V tile staged in workgroup
@@ -219,22 +225,21 @@ class Tuning:
         head_vec = shape.head_size // 4
         tiling = PrefillTiling(query_tile, self.prefill_key_tile, query_regs, self.prefill_key_regs, min(self.prefill_depth_chunk, head_vec),
                                self.prefill_value_chunk, head_vec, self.prefill_prefetch)
-        # Only the staging chunks shrink (they cost barriers, not reuse): the larger of the
-        # two staged operands (Q and K by depth, or V by keys) halves first.
-        while tiling.workgroup_bytes() > self.workgroup_storage_bytes:
-            qk = (tiling.query_tile + tiling.key_tile) * (tiling.depth_chunk + 1)
-            v = tiling.value_chunk * tiling.value_cols * tiling.key_threads
-            if (qk >= v or tiling.value_chunk <= 4) and tiling.depth_chunk > 1:
-                tiling = dataclasses.replace(tiling, depth_chunk=tiling.depth_chunk // 2)
-            elif tiling.value_chunk > 4:
-                tiling = dataclasses.replace(tiling, value_chunk=tiling.value_chunk // 2)
-            else:
-                return None
-        return tiling if tiling.valid() else None
+        if tiling.workgroup > self.max_invocations:
+            return None
+        if tiling.valid() and tiling.workgroup_bytes() <= self.workgroup_storage_bytes:
+            return tiling
+        # Too big for this adapter: of the smaller tiles and chunks that fit, the one with
+        # the most reuse (Q.K^T flops per staged Q or K element: TQ*TK / (TQ+TK)), then the
+        # fewest barriers per key (each staging step costs two).
+        fitting = [t for t in _halvings(tiling) if t.valid() and t.workgroup_bytes() <= self.workgroup_storage_bytes]
+        if not fitting:
+            return None
+        return max(fitting, key=lambda t: (t.query_tile * t.key_tile / (t.query_tile + t.key_tile), -t.barriers_per_key()))
 
     def decode_split(self, shape: CallShape) -> DecodeSplit | None:
         head_vec = shape.head_size // 4
-        if head_vec > self.decode_workgroup:
+        if head_vec > self.decode_workgroup or self.decode_workgroup > self.max_invocations:
             return None
         return DecodeSplit(self.decode_workgroup, min(self.decode_lanes_per_key, _pow2_at_least(head_vec)), self.decode_keys_per_group, head_vec)
 
@@ -246,6 +251,21 @@ class Tuning:
         splits = min(-(-self.decode_target_workgroups // queries), -(-longest // self.decode_min_keys_per_split), self.decode_max_splits)
         per_split_bytes = queries * shape.head_size * 4  # the partial accumulators of one slice
         return max(1, min(splits, self.max_binding_bytes // per_split_bytes))
+
+
+def _halvings(tiling: PrefillTiling):
+    """Every tiling with the query tile, key tile and staging chunks halved any number of
+    times (down to what the register blocks need)."""
+    def halves(value, floor):
+        while value >= floor:
+            yield value
+            value //= 2
+
+    for query_tile in halves(tiling.query_tile, 2 * tiling.query_regs):
+        for key_tile in halves(tiling.key_tile, max(4, 4 * tiling.key_regs)):
+            for depth in halves(tiling.depth_chunk, 1):
+                for value in halves(min(tiling.value_chunk, key_tile), 4):
+                    yield dataclasses.replace(tiling, query_tile=query_tile, key_tile=key_tile, depth_chunk=depth, value_chunk=value)
 
 
 def _pow2_at_least(n: int) -> int:
@@ -271,5 +291,6 @@ def choose_tuning(limits: dict, features: frozenset) -> Tuning:
     """The tuning for an adapter with these limits and features."""
     workgroup_bytes = int(limits.get("max-compute-workgroup-storage-size", 16384))
     binding_bytes = int(limits.get("max-storage-buffer-binding-size", 128 << 20))
-    tuning = Tuning(workgroup_storage_bytes=workgroup_bytes, max_binding_bytes=binding_bytes)
+    invocations = int(limits.get("max-compute-invocations-per-workgroup", 256))
+    tuning = Tuning(workgroup_storage_bytes=workgroup_bytes, max_binding_bytes=binding_bytes, max_invocations=invocations)
     return tuning
