@@ -59,6 +59,9 @@ PREFILL_CANDIDATES = [
     ("default", {}),
     ("simple pass", SIMPLE_PASS),
     ("rows", dict(prefill_pass="rows")),
+    ("rows q1", dict(prefill_pass="rows", rows_query_regs=1)),
+    ("rows q4", dict(prefill_pass="rows", rows_query_regs=4)),
+    ("rows q8", dict(prefill_pass="rows", rows_query_regs=8)),
     ("no prefetch", dict(prefill_prefetch=False)),
     ("depth 4", dict(prefill_depth_chunk=4)),
     ("depth 16", dict(prefill_depth_chunk=16, prefill_value_chunk=16)),
@@ -69,6 +72,10 @@ PREFILL_CANDIDATES = [
     ("regs 8x4", dict(prefill_query_regs=8)),
     ("regs 4x8", dict(prefill_key_regs=8)),
     ("q32 regs 2x4", dict(prefill_query_tile=32, prefill_query_regs=2)),
+    ("regs 8x8", dict(prefill_query_regs=8, prefill_key_regs=8)),
+    ("regs 8x8 k32", dict(prefill_query_regs=8, prefill_key_regs=8, prefill_key_tile=32)),
+    ("regs 8x8 no prefetch", dict(prefill_query_regs=8, prefill_key_regs=8, prefill_prefetch=False)),
+    ("regs 16x8", dict(prefill_query_regs=16, prefill_key_regs=8)),
 ]
 
 #: Decode candidates.
@@ -85,6 +92,8 @@ DECODE_CANDIDATES = [
     ("wg 128", dict(decode_workgroup=128)),
     ("wg 128 target 512", dict(decode_workgroup=128, decode_target_workgroups=512)),
     ("merge wg 64", dict(merge_workgroup=64)),
+    ("wg 64 target 16", dict(decode_workgroup=64, decode_target_workgroups=16)),
+    ("target 64", dict(decode_target_workgroups=64)),
 ]
 
 

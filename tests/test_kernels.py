@@ -13,19 +13,19 @@ from sparse_attention_op.inputs import CaseConfig, random_inputs
 from sparse_attention_op.spec import OpAttributes, build_call
 from sparse_attention_op.webgpu import kernels
 from sparse_attention_op.webgpu.executor import WebGPUExecutor
-from sparse_attention_op.webgpu.tuning import ROWS, SIMPLE, SPLIT, TILED, Tuning
+from sparse_attention_op.webgpu.tuning import ROWS, SIMPLE, SPLIT, TILED, Tuning, choose_tuning
 
 pytestmark = pytest.mark.gpu
 
 #: Small tiles, so that a test of tens of tokens crosses many tiles, block rows and key tiles.
 SMALL_TILES = dict(prefill_query_tile=16, prefill_key_tile=16, prefill_query_regs=2, prefill_key_regs=2,
-                   prefill_depth_chunk=2, prefill_value_chunk=8, prefill_min_queries=2, decode_max_queries=1)
+                   prefill_depth_chunk=2, prefill_value_chunk=8, prefill_min_queries=2, decode_max_queries=1, prefill_pass=TILED)
 ROUTES = {
     TILED: dict(SMALL_TILES),
-    "tiled-default": dict(prefill_min_queries=2, decode_max_queries=1),
+    "tiled-default": dict(prefill_min_queries=2, decode_max_queries=1, prefill_pass=TILED),
     "tiled-no-prefetch": dict(SMALL_TILES, prefill_prefetch=False),
     SPLIT: dict(decode_max_queries=4096, decode_target_workgroups=4096, decode_min_keys_per_split=3),
-    ROWS: dict(prefill_pass=ROWS, rows_queries=8, rows_key_block=4, prefill_min_queries=1, decode_max_queries=0),
+    ROWS: dict(prefill_pass=ROWS, rows_lanes=8, rows_query_regs=2, prefill_min_queries=1, decode_max_queries=0),
     SIMPLE: dict(decode_max_queries=0, prefill_min_queries=1 << 30),
 }
 _executors: dict = {}
@@ -94,7 +94,7 @@ def test_head_sizes(executor, rng, route, head_size):
 def test_largest_head_falls_back_where_no_tile_fits(executor, rng):
     # 4 KiB of workgroup memory holds no tile of a 256-wide head: the simple pass serves it
     # (its own tile shrinks to one query).
-    runner = executor_for(executor, dict(workgroup_storage_bytes=4096, prefill_min_queries=2, decode_max_queries=0))
+    runner = executor_for(executor, dict(workgroup_storage_bytes=4096, prefill_min_queries=2, decode_max_queries=0, prefill_pass=TILED))
     config = CaseConfig(head_size=256, seq_len=20, max_cache_len=32, sparse_block_size=16)
     assert runner.tuning.prefill_tiling(build_call(random_inputs(config, rng), OpAttributes.from_mapping(config.node_attributes())).shape) is None
     check(runner, config, rng, SIMPLE)
@@ -102,7 +102,7 @@ def test_largest_head_falls_back_where_no_tile_fits(executor, rng):
 
 @pytest.mark.parametrize("storage", [16384, 32768, 49152])
 def test_default_tiles_shrink_to_the_workgroup_memory(executor, rng, storage):
-    runner = executor_for(executor, dict(workgroup_storage_bytes=storage, prefill_min_queries=2, decode_max_queries=0))
+    runner = executor_for(executor, dict(workgroup_storage_bytes=storage, prefill_min_queries=2, decode_max_queries=0, prefill_pass=TILED))
     config = CaseConfig(head_size=128, seq_len=70, max_cache_len=128, sparse_block_size=64, num_heads=2, kv_num_heads=1)
     tiling = runner.tuning.prefill_tiling(build_call(random_inputs(config, rng), OpAttributes.from_mapping(config.node_attributes())).shape)
     assert tiling is not None and tiling.workgroup_bytes() <= storage
@@ -221,6 +221,16 @@ def test_split_k_partials_stay_within_one_binding(executor, rng):
     check(runner, config, rng, SPLIT, inputs=inputs)
 
 
+@pytest.mark.parametrize("lanes", [4, 16])
+def test_rows_pass_without_one_whole_subgroup(executor, rng, lanes):
+    # Workgroups that are not exactly one subgroup (lavapipe's is 8 lanes) take the path
+    # where every lane reads each key itself; blocks of 4 force 4 lanes too.
+    runner = executor_for(executor, dict(ROUTES[ROWS], rows_lanes=lanes))
+    config = CaseConfig(seq_len=37, max_cache_len=64, sparse_block_size=32, vert_stride=2, local_blocks=1, head_size=24)
+    check(runner, config, rng, ROWS)
+    check(executor_for(executor, ROUTES[ROWS]), dataclasses.replace(config, sparse_block_size=4, max_cache_len=40), rng, ROWS)
+
+
 def test_adapter_tuning_routes(executor):
     """What the adapter's own tuning picks: split-K for decode, a prefill pass for prompts."""
     def shape(seq_len, past=None, block=64):
@@ -230,6 +240,14 @@ def test_adapter_tuning_routes(executor):
     tuning = executor.tuning
     assert tuning.attention_route(shape(1, (200,))) == SPLIT
     assert tuning.attention_route(shape(200)) in (TILED, ROWS)
+    h200 = choose_tuning({"max-compute-workgroup-storage-size": 49152, "max-storage-buffer-binding-size": 2**31 - 4,
+                          "max-compute-invocations-per-workgroup": 1024}, frozenset({"subgroup", "shader-f16"}))
+    assert h200.attention_route(shape(200)) == TILED and h200.attention_route(shape(3, (100,))) == SPLIT
+    lavapipe = {"max-compute-workgroup-storage-size": 32768, "max-storage-buffer-binding-size": 2**27,
+                "max-compute-invocations-per-workgroup": 1024}
+    assert choose_tuning(lavapipe, frozenset({"subgroup"})).attention_route(shape(200)) == ROWS
+    assert choose_tuning(lavapipe, frozenset()).attention_route(shape(200)) == TILED  # no shuffles: no rows pass
+    assert choose_tuning(lavapipe, frozenset({"subgroup"}), adapter_type="DiscreteGPU").attention_route(shape(200)) == TILED
     default = Tuning(workgroup_storage_bytes=49152)
     assert default.attention_route(shape(200)) == TILED
     assert default.attention_route(shape(200, block=4)) == SIMPLE  # blocks smaller than any tile

@@ -70,7 +70,8 @@ def dispatch_limits_ok(shape: CallShape, tuning: Tuning) -> bool:
     elif route == TILED:
         along_x = _tiled_rows(shape, tuning.prefill_tiling(shape).query_tile)
     elif route == ROWS:
-        along_x = _tiled_rows(shape, tuning.rows_per_workgroup(shape))
+        lanes, queries = tuning.rows_shape(shape)
+        along_x = _tiled_rows(shape, lanes * queries)
     else:
         along_x = -(-shape.seq_len // tuning.attention_queries(shape))
     return along_x <= MAX_WORKGROUPS_PER_DIM and heads <= MAX_WORKGROUPS_PER_DIM and batch <= MAX_WORKGROUPS_PER_DIM
@@ -249,9 +250,9 @@ def prefill_tiled(shape: CallShape, tiling: PrefillTiling, cache: CacheFormat, r
 
 
 def prefill_rows(shape: CallShape, tuning: Tuning, cache: CacheFormat, resources: Mapping[str, BufferRange]) -> Dispatch:
-    """The CPU adapters' pass: one query per invocation, one workgroup per (query tile, head,
-    batch row), heads along x like the tiled pass."""
-    rows = tuning.rows_per_workgroup(shape)
+    """The CPU adapters' pass: one subgroup per (query tile, head, batch row), a few queries
+    per invocation, heads along x like the tiled pass."""
+    lanes, queries = tuning.rows_shape(shape)
     program = Program(
         template="prefill_rows.wgsl.jinja",
         bindings=(
@@ -263,9 +264,9 @@ def prefill_rows(shape: CallShape, tuning: Tuning, cache: CacheFormat, resources
             Binding("output", VEC4, writable=True),
         ),
         uniforms=_LAYOUT_UNIFORMS,
-        constants=(("head_vec", shape.head_size // 4), ("rows", rows), ("key_block", tuning.rows_key_block)),
+        constants=(("head_vec", shape.head_size // 4), ("rows", lanes), ("query_regs", queries)),
     )
-    workgroups = (shape.attributes.num_heads, _tiled_rows(shape, rows), shape.batch_size)
+    workgroups = (shape.attributes.num_heads, _tiled_rows(shape, lanes * queries), shape.batch_size)
     return bind("attention_rows", program, resources, _layout_uniforms(shape, cache), workgroups)
 
 
