@@ -32,13 +32,6 @@ class CacheFormat:
         return VEC4_F16 if self.f16 else VEC4
 
 
-def _pow2_at_least(n: int) -> int:
-    p = 1
-    while p < n:
-        p *= 2
-    return p
-
-
 def bind(label: str, program: Program, resources: Mapping[str, BufferRange], uniforms: dict, workgroups) -> Dispatch:
     """A dispatch of ``program`` on the resources its bindings name."""
     missing = [b.name for b in program.bindings if b.name not in resources]
@@ -302,7 +295,7 @@ def decode_merge(shape: CallShape, tuning: Tuning, splits: int, cache: CacheForm
     """One workgroup per query: the slices' partials combined into the output."""
     attrs = shape.attributes
     head_vec = shape.head_size // 4
-    workgroup = max(tuning.merge_workgroup, _pow2_at_least(head_vec))  # at least one invocation per output vec4
+    workgroup = tuning.merge_workgroup_for(head_vec)
     program = Program(
         template="decode_merge.wgsl.jinja",
         bindings=(

@@ -6,17 +6,30 @@ Shape-dependent choices that follow from a tuning (which attention pass serves a
 many queries a tile holds, how many splits a decode query gets) are methods here too, so
 the reasoning stays next to the numbers.
 
-Three attention passes exist (kernels.py builds them):
+Four attention passes exist (kernels.py builds them; :meth:`Tuning.attention_route` picks):
 
-* ``tiled``: the throughput prefill pass (prefill_tiled.wgsl.jinja). A workgroup owns a
-  tile of queries inside one block row and walks that row's selected keys in tiles staged
-  in workgroup memory, with register-blocked Q.K^T and P.V products and an online softmax.
+* ``tiled``: the throughput prefill pass of GPUs (prefill_tiled.wgsl.jinja). A workgroup
+  owns a tile of queries inside one block row and walks that row's selected keys in tiles
+  staged in workgroup memory, with register-blocked Q.K^T and P.V products and an online
+  softmax. Tails and chunks that start mid-tile are tiles with idle rows.
 * ``split``: split-K decode (decode_split.wgsl.jinja + decode_merge.wgsl.jinja) for one
-  query or a short chunk: each query's selected keys are cut into balanced slices, one
-  workgroup each, and a merge pass combines the partial softmaxes.
-* ``simple``: the original pass (attention.wgsl.jinja), one key per invocation, kept where
-  the tiled pass cannot run: blocks smaller than the smallest query tile (8), and workgroup
-  memory too small for any tile.
+  query or a short chunk (S <= decode_max_queries): each query's selected keys are cut
+  into slices of equal key count, one workgroup each, and a merge pass combines the
+  partial softmaxes.
+* ``rows``: the prefill pass of CPU adapters (prefill_rows.wgsl.jinja): one subgroup per
+  query tile, keys shared by subgroup broadcasts, no workgroup memory, no barriers.
+* ``simple``: the original pass (attention.wgsl.jinja), one key per invocation. It stays
+  where nothing else runs: blocks smaller than 2 * prefill_query_regs (blocks of 4 or
+  less at the defaults), workgroup memory too small for any tile, adapters that cannot
+  hold the split pass's workgroup, and calls with more than decode_max_queries but fewer
+  than prefill_min_queries queries (none at the defaults). Measured on the H200 it lost
+  everywhere the others run: 7.7x slower than the tiled pass at prompts of 1024 to 8192
+  tokens, 25x slower than split-K at decode (scripts/tune_kernels.py, "simple pass");
+  prompts of 17 to 64 tokens were not measured there.
+
+Measurements quoted below: H200 through Vulkan, scripts/tune_kernels.py at the Phi-3-small
+shape (GPU time per dispatch, clocks warmed, see the script), 2026-12-01; lavapipe on this
+project's 2-core machine (--quick and --lavapipe-check).
 """
 
 from __future__ import annotations
@@ -146,22 +159,30 @@ class Tuning:
     #: memory is shared by 64 queries (the arithmetic intensity of a 64x64 GEMM tile).
     #: Smaller blocks shrink it to the block size (a tile never spans two block rows).
     prefill_query_tile: int = 64
-    #: Keys per online-softmax step. 64 keeps the score tile (TQ x TK floats) at 16 KiB.
+    #: Keys per online-softmax step. 64 keeps the score tile (TQ x TK floats) at 16 KiB;
+    #: 32 was 30% slower on the H200 (the softmax's barriers are per tile).
     prefill_key_tile: int = 64
     #: Register block of the score product: each invocation owns QR x KR scores, so one
     #: vec4 of Q and one of K feed QR*KR dot products. 4 x 4 is the plain GEMM blocking
-    #: (256 invocations for a 64 x 64 tile).
+    #: (256 invocations for a 64 x 64 tile). H200: 8 x 4 was 6-9% slower, 4 x 8 10-13%,
+    #: 8 x 8 2x (registers), 32-query tiles with 2 x 4 blocks 1.4x.
     prefill_query_regs: int = 4
     prefill_key_regs: int = 4
     #: Head vec4s per Q/K staging step: (TQ + TK) x 8 vec4 = 18 KiB with padding.
+    #: H200: 4 and 16 within 1-2% (fewer barriers against more workgroups per SM).
     prefill_depth_chunk: int = 8
-    #: Keys of V per staging step: 32 x 128 floats = 16 KiB at head size 128.
+    #: Keys of V per staging step: 32 x 128 floats = 16 KiB at head size 128. H200: 16
+    #: and 64 (with depth 4) within 2%. Adapters with less workgroup memory get smaller
+    #: chunks, then smaller tiles (prefill_tiling).
     prefill_value_chunk: int = 32
     #: Issue each staging step's global loads one step ahead (into registers), so their
     #: latency hides behind the current step's arithmetic instead of stalling between
-    #: barriers. Costs a few registers per invocation (one vec4 per staged vec4).
+    #: barriers. Costs a few registers per invocation (one vec4 per staged vec4). H200:
+    #: 8-10% faster at 4096 and 8192 tokens; lavapipe: 4-27% slower (it has no latency
+    #: to hide), but lavapipe takes the rows pass.
     prefill_prefetch: bool = True
-    #: Calls of fewer queries (and more than decode_max_queries) use the simple pass.
+    #: Calls of fewer queries (and more than decode_max_queries) use the simple pass: at
+    #: the defaults there are none, every call of 17 queries or more is a prefill.
     prefill_min_queries: int = 17
 
     #: The prefill pass: TILED on GPUs; ROWS (prefill_rows.wgsl.jinja) on CPU adapters,
@@ -171,27 +192,36 @@ class Tuning:
     #: (lavapipe's subgroup is its SIMD width: 8 lanes of f32 on 256-bit AVX2).
     rows_lanes: int = 8
     #: Rows pass: queries per lane; each broadcast K or V vec4 feeds this many of them.
+    #: (CPU_FIELDS sets the measured choice for CPU adapters.)
     rows_query_regs: int = 2
 
     # -- split-K decode ------------------------------------------------------------------
     #: Calls of at most this many queries use split-K (decode, short chunks): a tile of
     #: queries would be mostly empty, and each query's keys alone fill the GPU when split.
+    #: (A reasoned bound: chunks of 2 to 64 tokens were not measured against the tiled pass.)
     decode_max_queries: int = 16
+    #: Invocations of a split workgroup. The H200 decode figures here and below are from
+    #: sweeps whose GPU clock drifted down across candidates (the KV-append pass, the same
+    #: in all, took 6 to 12 us), so they rank more than they measure: 128 and 64 were
+    #: slower in every sweep (fewer loads in flight per workgroup).
     decode_workgroup: int = 256
     #: 8 lanes per key: a lane group reads 128 contiguous bytes of a key row per load.
+    #: H200: 4 and 16 lanes slower in every sweep.
     decode_lanes_per_key: int = 8
     #: Each lane group scores 2 keys per tile: more loads in flight per invocation.
+    #: H200: 1 and 4 keys slower in every sweep (4: a 128-key tile outgrows the slices).
     decode_keys_per_group: int = 2
     #: Workgroups to aim for across the call (splits = this / (batch*heads*queries)).
     #: H200, decode at history 8191 (32 heads): 256 (8 slices of ~240 keys, two
     #: workgroups per multiprocessor) beat 64, 512, 1024 and 2048 for both f32 and f16
-    #: caches; more slices mean more partials to write and merge for the same bytes.
+    #: caches in two sweeps (f32: 26 us against 35 at 512 and 39 at 64); more slices
+    #: mean more partials to write and merge for the same bytes.
     decode_target_workgroups: int = 256
     #: No split gets fewer keys than this (a split re-reads q and writes a partial).
     decode_min_keys_per_split: int = 64
     decode_max_splits: int = 64
     #: The merge pass: invocations per query (at least one per output vec4); the spare
-    #: ones read disjoint slices in parallel.
+    #: ones read disjoint slices in parallel. H200: 64 slower in every sweep.
     merge_workgroup: int = 256
 
     # -- shape-dependent choices -----------------------------------------------------------
@@ -242,6 +272,10 @@ class Tuning:
         if not fitting:
             return None
         return max(fitting, key=lambda t: (t.query_tile * t.key_tile / (t.query_tile + t.key_tile), -t.barriers_per_key()))
+
+    def merge_workgroup_for(self, head_vec: int) -> int:
+        """The merge pass's workgroup: merge_workgroup, and at least one invocation per output vec4."""
+        return max(self.merge_workgroup, _pow2_at_least(head_vec))
 
     def decode_split(self, shape: CallShape) -> DecodeSplit | None:
         head_vec = shape.head_size // 4
@@ -306,11 +340,12 @@ def choose_tuning(limits: dict, features: frozenset, adapter_type: str | None = 
     """The tuning for an adapter with these limits and features.
 
     GPUs (measured: NVIDIA H200 through Vulkan, scripts/tune_kernels.py) take the class
-    defaults: tiled prefill, split-K decode over ~1024 workgroups. CPU adapters (lavapipe,
-    measured on 2 cores) take the rows pass for every call it can serve, since there
-    gathers and barriers dominate and subgroup shuffles are nearly free: sparse prefill of
-    2048 tokens 5x faster than the tiled pass. Its fast path needs the ``subgroup`` feature.
-    The adapter type comes from the caller where it knows it, else from :func:`looks_like_cpu`.
+    defaults: tiled prefill, split-K decode over ~256 workgroups. CPU adapters (lavapipe,
+    measured on 2 cores) take the rows pass for prompts, since there gathers and barriers
+    dominate and subgroup shuffles are nearly free: sparse prefill of 2048 tokens 5x
+    faster than the tiled pass. It needs the ``subgroup`` feature; without it they keep
+    the tiled pass. The adapter type comes from the caller where it knows it, else from
+    :func:`looks_like_cpu` (the executor passes limits and features only, for now).
     """
     workgroup_bytes = int(limits.get("max-compute-workgroup-storage-size", 16384))
     binding_bytes = int(limits.get("max-storage-buffer-binding-size", 128 << 20))
