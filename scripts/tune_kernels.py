@@ -55,19 +55,24 @@ WARM_CALIBRATION = 20000
 SIMPLE_PASS = dict(decode_max_queries=0, prefill_min_queries=1 << 30)
 
 #: Prefill candidates: (name, Tuning fields replaced). The first real one is the default.
+def tiled(**fields) -> dict:
+    """A tiled-pass candidate (explicit, so that it means the same where rows is the default)."""
+    return dict(prefill_pass="tiled", **fields)
+
+
 PREFILL_CANDIDATES = [
     ("default", {}),
     ("simple pass", SIMPLE_PASS),
-    ("tiled", dict(prefill_pass="tiled")),
-    ("no prefetch", dict(prefill_prefetch=False)),
-    ("depth 4", dict(prefill_depth_chunk=4)),
-    ("depth 16", dict(prefill_depth_chunk=16, prefill_value_chunk=16)),
-    ("vchunk 16", dict(prefill_value_chunk=16)),
-    ("vchunk 64", dict(prefill_value_chunk=64, prefill_depth_chunk=4)),
-    ("k32", dict(prefill_key_tile=32)),
-    ("regs 8x4", dict(prefill_query_regs=8)),
-    ("regs 4x8", dict(prefill_key_regs=8)),
-    ("q32 regs 2x4", dict(prefill_query_tile=32, prefill_query_regs=2)),
+    ("tiled", tiled()),
+    ("no prefetch", tiled(prefill_prefetch=False)),
+    ("depth 4", tiled(prefill_depth_chunk=4)),
+    ("depth 16", tiled(prefill_depth_chunk=16, prefill_value_chunk=16)),
+    ("vchunk 16", tiled(prefill_value_chunk=16)),
+    ("vchunk 64", tiled(prefill_value_chunk=64, prefill_depth_chunk=4)),
+    ("k32", tiled(prefill_key_tile=32)),
+    ("regs 8x4", tiled(prefill_query_regs=8)),
+    ("regs 4x8", tiled(prefill_key_regs=8)),
+    ("q32 regs 2x4", tiled(prefill_query_tile=32, prefill_query_regs=2)),
 ]
 
 #: The rows pass (CPU adapters): on a GPU it runs 100x slower than the tiled pass
@@ -78,8 +83,8 @@ ROWS_CANDIDATES = [
     ("rows q1", dict(prefill_pass="rows", rows_query_regs=1)),
     ("rows q2", dict(prefill_pass="rows", rows_query_regs=2)),
     ("rows q8", dict(prefill_pass="rows", rows_query_regs=8)),
-    ("regs 8x8", dict(prefill_pass="tiled", prefill_query_regs=8, prefill_key_regs=8)),
-    ("regs 8x8 no prefetch", dict(prefill_pass="tiled", prefill_query_regs=8, prefill_key_regs=8, prefill_prefetch=False)),
+    ("regs 8x8", tiled(prefill_query_regs=8, prefill_key_regs=8)),
+    ("regs 8x8 no prefetch", tiled(prefill_query_regs=8, prefill_key_regs=8, prefill_prefetch=False)),
 ]
 
 #: Decode candidates.
@@ -240,26 +245,33 @@ def settled_seconds(samples: list[dict]) -> dict:
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def time_candidate(executor, call, case: Case, reps: int, repeats: int) -> tuple[dict, np.ndarray]:
+def time_candidate(executor, call, case: Case, reps: int, repeats: int, warm_seconds: float) -> tuple[dict, np.ndarray]:
     """Settled GPU seconds per dispatch over reps calls, and the output of a plain call.
 
     A plain call first (it compiles and allocates, and its output is what gets checked);
     then the dispatch list repeats enough times for about SETTLE_SECONDS of GPU work per
-    call (at least ``repeats``), one such call untimed to bring the clocks up, then reps."""
+    call (at least ``repeats``), after a warmer of ``warm_seconds`` (none on CPU adapters)."""
     settings = ExecutionSettings(profile=True)
     node = f"tune/{case.label}"
     result = executor.run(call, node, settings)
     output = result.output
     once = max(result.stats.gpu_total or 0.0, 1e-6)
     repeats = max(repeats, min(MAX_REPEATS, int(SETTLE_SECONDS / once) + 1))
-    with RepeatedDispatches(1, WARM_CALIBRATION):  # how long the warmer's iterations take
-        calibration = executor.run(call, node, settings).stats.gpu_seconds["warmer#0"]
-    warm = min(2**31, int(WARM_CALIBRATION * WARM_SECONDS / max(calibration, 1e-6)))
+    warm = 0
+    if warm_seconds > 0:
+        with RepeatedDispatches(1, WARM_CALIBRATION):  # how long the warmer's iterations take
+            calibration = executor.run(call, node, settings).stats.gpu_seconds["warmer#0"]
+        warm = max(1, min(2**31, int(WARM_CALIBRATION * warm_seconds / max(calibration, 1e-6))))
     samples = []
     with RepeatedDispatches(repeats, warm):
         for _ in range(reps):
             samples.append(executor.run(call, node, settings).stats.gpu_seconds)
     return settled_seconds(samples), output
+
+
+def _rate(per_second: float, unit: str) -> str:
+    scale, prefix = (1e12, "T") if per_second >= 1e12 else (1e9, "G")
+    return f"{per_second / scale:.{2 if prefix == 'T' else 1}f} {prefix}{unit}"
 
 
 def run_sweep(args) -> int:
@@ -275,6 +287,8 @@ def run_sweep(args) -> int:
     cases += [Case("decode", 1, p, cache) for p in args.decode for cache in ("f32", "f16")]
     wanted = set(args.only or [])
     rng = np.random.default_rng(0)
+    # A CPU adapter has no clocks to bring up, and the warmer would take minutes there.
+    warm_seconds = 0.0 if args.quick or context.adapter_type == "CPU" else WARM_SECONDS
     print("| case | candidate | passes (GPU ms) | attention ms | total ms | rate | max err |")
     print("|---|---|---|---|---|---|---|")
     best: dict[str, tuple[float, str]] = {}
@@ -290,15 +304,16 @@ def run_sweep(args) -> int:
         cpu = base.prefill_pass == "rows" or args.quick
         pool = (PREFILL_CANDIDATES + (ROWS_CANDIDATES if cpu else [])) if case.kind == "prefill" else DECODE_CANDIDATES
         candidates = [(n, f) for n, f in pool if not wanted or n in wanted or n == "default"]
-        # Decode passes last tens of microseconds, and clocks drift between candidates:
-        # every candidate is timed in each of `rounds` round-robin passes, the least counts.
-        rounds = args.decode_rounds if case.kind == "decode" else 1
+        # Clocks drift between candidates (on the H200 the same configuration measured 10.6
+        # and 12.5 ms at prefill 8192 in one sweep, the first of a case being slow): every
+        # candidate is timed in each of `rounds` round-robin passes, and the least counts.
+        rounds = args.rounds
         results: dict[str, tuple[dict, float]] = {}
         for _ in range(rounds):
             for name, fields in candidates:
                 executor = WebGPUExecutor(context, dataclasses.replace(base, **fields))
                 try:
-                    seconds, output = time_candidate(executor, call, case, args.reps, args.repeats)
+                    seconds, output = time_candidate(executor, call, case, args.reps, args.repeats, warm_seconds)
                 finally:
                     executor.release("")
                 error = spot_check(inputs, attrs, output, 8, rng)
@@ -311,7 +326,7 @@ def run_sweep(args) -> int:
             tolerance = 1e-2 if case.cache == "f16" else 2e-3
             attention = sum(v for k, v in seconds.items() if k != "kv_append")
             total = sum(seconds.values())
-            rate = f"{work / attention / 1e12:.2f} TFLOP/s" if case.kind == "prefill" else f"{work / attention / 1e9:.0f} GB/s"
+            rate = _rate(work / attention, "FLOP/s" if case.kind == "prefill" else "B/s")
             passes = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in seconds.items())
             ok = error <= tolerance
             print(f"| {case.label} | {name} | {passes} | {attention * 1e3:.3f} | {total * 1e3:.3f} | {rate} | "
@@ -399,7 +414,7 @@ def main() -> int:
     parser.add_argument("--decode", type=int, nargs="*", default=None, help="histories of a decode step (default 8191)")
     parser.add_argument("--reps", type=int, default=None, help="timed calls per candidate (default 5, --quick 3)")
     parser.add_argument("--repeats", type=int, default=None, help="dispatch list repetitions per call (default 10, --quick 2)")
-    parser.add_argument("--decode-rounds", type=int, default=2, help="round-robin passes over the decode candidates (least time counts)")
+    parser.add_argument("--rounds", type=int, default=None, help="round-robin passes over each case's candidates, the least time counts (default 2, --quick 1)")
     parser.add_argument("--only", nargs="*", help="candidate names to run besides 'default'")
     parser.add_argument("--lavapipe-check", action="store_true", help="sparse prefill vs numpy dense causal attention")
     parser.add_argument("--check-len", type=int, default=2048)
@@ -407,6 +422,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.reps is None:
         args.reps = 3 if (args.quick or args.lavapipe_check) else 5
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 2
     if args.repeats is None:
         args.repeats = 2 if args.quick else 10
     if args.lavapipe_check:
