@@ -412,7 +412,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="small shapes for lavapipe: prefill 256/512, decode at 1023")
     parser.add_argument("--prefill", type=int, nargs="*", default=None, help="prompt lengths (default 1024 4096 8192)")
     parser.add_argument("--decode", type=int, nargs="*", default=None, help="histories of a decode step (default 8191)")
-    parser.add_argument("--reps", type=int, default=None, help="timed calls per candidate (default 5, --quick 3)")
+    parser.add_argument("--reps", type=int, default=None, help="timed calls per candidate and round (default 3)")
     parser.add_argument("--repeats", type=int, default=None, help="dispatch list repetitions per call (default 10, --quick 2)")
     parser.add_argument("--rounds", type=int, default=None, help="round-robin passes over each case's candidates, the least time counts (default 2, --quick 1)")
     parser.add_argument("--only", nargs="*", help="candidate names to run besides 'default'")
@@ -421,7 +421,7 @@ def main() -> int:
     parser.add_argument("--check-local-blocks", type=int, default=2, help="2: about 20%% of the causal pairs at 2048")
     args = parser.parse_args()
     if args.reps is None:
-        args.reps = 3 if (args.quick or args.lavapipe_check) else 5
+        args.reps = 3
     if args.rounds is None:
         args.rounds = 1 if args.quick else 2
     if args.repeats is None:
