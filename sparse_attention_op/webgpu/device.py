@@ -33,7 +33,7 @@ _RAISED_LIMITS = (
     "max-compute-workgroups-per-dimension",
 )
 #: Features used when present: f16 storage for later kernels, GPU timestamps for benchmarks.
-_OPTIONAL_FEATURES = ("shader-f16", "timestamp-query")
+_OPTIONAL_FEATURES = ("shader-f16", "timestamp-query", "subgroup")
 
 
 class NoAdapterError(RuntimeError):

@@ -116,7 +116,7 @@ class NodeState:
 class WebGPUExecutor:
     def __init__(self, context: GpuContext | None = None, tuning: Tuning | None = None):
         self.context = context or get_context()
-        self.tuning = tuning or choose_tuning(self.context.limits, self.context.features)
+        self.tuning = tuning or choose_tuning(self.context.limits, self.context.features, self.context.adapter_type)
         self.pipelines = PipelineCache(self.context.device)
         self.plans = BlockPlanCache()
         self._states: dict[tuple[str, int], NodeState] = {}
@@ -379,7 +379,7 @@ class WebGPUExecutor:
 
     def _launches(self, state: NodeState, shape: CallShape, cache_format, resources: dict) -> list[Launch]:
         """The call's launches: the node's last ones when nothing they depend on changed."""
-        key = (kernels.dispatch_key(shape), cache_format, tuple(sorted((name, r.key()) for name, r in resources.items())))
+        key = (kernels.dispatch_key(shape, self.tuning), cache_format, tuple(sorted((name, r.key()) for name, r in resources.items())))
         if state.launch_plan is not None and state.launch_plan.key == key:
             return state.launch_plan.launches
         dispatches = kernels.call_dispatches(shape, self.tuning, cache_format, resources)

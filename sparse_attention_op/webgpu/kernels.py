@@ -14,7 +14,7 @@ from typing import Mapping
 
 from ..spec import CallShape
 from .programs import MAX_WORKGROUPS_PER_DIM, Binding, BufferRange, Dispatch, Program
-from .tuning import Tuning, value_parts
+from .tuning import ROWS, SIMPLE, SPLIT, TILED, DecodeSplit, PrefillTiling, Tuning, value_parts
 
 VEC4 = "vec4<f32>"
 VEC4_F16 = "vec4<f16>"
@@ -57,8 +57,18 @@ def _fold(groups: int) -> tuple[int, int, int]:
 
 def dispatch_limits_ok(shape: CallShape, tuning: Tuning) -> bool:
     """Whether this call's grids fit the adapter (checked before any GPU work)."""
-    tile = tuning.attention_queries(shape)
-    return -(-shape.seq_len // tile) <= MAX_WORKGROUPS_PER_DIM and shape.attributes.num_heads <= MAX_WORKGROUPS_PER_DIM and shape.batch_size <= MAX_WORKGROUPS_PER_DIM
+    heads, batch = shape.attributes.num_heads, shape.batch_size
+    route = tuning.attention_route(shape)
+    if route == SPLIT:
+        along_x = tuning.decode_splits(shape) * shape.seq_len
+    elif route == TILED:
+        along_x = _tiled_rows(shape, tuning.prefill_tiling(shape).query_tile)
+    elif route == ROWS:
+        lanes, queries = tuning.rows_shape(shape)
+        along_x = _tiled_rows(shape, lanes * queries)
+    else:
+        along_x = -(-shape.seq_len // tuning.attention_queries(shape))
+    return along_x <= MAX_WORKGROUPS_PER_DIM and heads <= MAX_WORKGROUPS_PER_DIM and batch <= MAX_WORKGROUPS_PER_DIM
 
 
 def kv_append(shape: CallShape, tuning: Tuning, cache: CacheFormat, resources: Mapping[str, BufferRange]) -> Dispatch:
@@ -161,18 +171,181 @@ def attention(shape: CallShape, tuning: Tuning, cache: CacheFormat, resources: M
     return bind("attention", program, resources, uniforms, workgroups)
 
 
-def dispatch_key(shape: CallShape) -> CallShape:
-    """What the dispatches of a call depend on: its shape without the lengths. Lengths are
-    data (row_past), so a decode step can reuse the last step's dispatches; a kernel that
-    needs a length-dependent choice must make it on the GPU, or add it here."""
-    return dataclasses.replace(shape, past_lengths=(), key_totals=(), total_sequence_length=0, is_prompt=False)
+def dispatch_key(shape: CallShape, tuning: Tuning) -> tuple:
+    """What the dispatches of a call depend on: its shape without the lengths, and the one
+    length-dependent choice, split-K's slice count (it stops changing once the history is a
+    few thousand keys long). Lengths are data (row_past), so a decode step reuses the last
+    step's dispatches."""
+    splits = tuning.decode_splits(shape) if tuning.attention_route(shape) == SPLIT else 0
+    return (dataclasses.replace(shape, past_lengths=(), key_totals=(), total_sequence_length=0, is_prompt=False), splits)
+
+
+def _tiled_rows(shape: CallShape, query_tile: int) -> int:
+    """Query tiles a batch row can need: tiles are aligned to absolute positions, so a
+    call of S tokens starting mid-tile touches up to ceil(S / TQ) + 1 of them."""
+    return -(-shape.seq_len // query_tile) + 1
+
+
+def query_prep(shape: CallShape, tuning: Tuning, resources: Mapping[str, BufferRange]) -> Dispatch:
+    """Queries rotated and scaled into (batch, head, token, head) rows for the tiled pass."""
+    attrs = shape.attributes
+    rotary_constants, rotary_bindings = _rotary(shape)
+    program = Program(
+        template="query_prep.wgsl.jinja",
+        bindings=(Binding("query", VEC4), Binding("row_past", "u32"), Binding("prepared_query", VEC4, writable=True)) + rotary_bindings,
+        uniforms=(("count", "u32"), ("seq_len", "u32"), ("num_heads", "u32"), ("query_row_vec", "u32"),
+                  ("rotary_half", "u32"), ("scale", "f32")),
+        constants=(("head_size", shape.head_size), ("workgroup_size", tuning.append_workgroup)) + rotary_constants,
+    )
+    count = shape.batch_size * attrs.num_heads * shape.seq_len * (shape.head_size // 4)
+    uniforms = dict(count=count, seq_len=shape.seq_len, num_heads=attrs.num_heads, query_row_vec=shape.query_hidden // 4,
+                    rotary_half=shape.rotary_dim // 2, scale=shape.scale)
+    return bind("query_prep", program, resources, uniforms, _fold(-(-count // tuning.append_workgroup)))
+
+
+def _layout_uniforms(shape: CallShape, cache: CacheFormat) -> dict:
+    """The uniforms every attention pass reads to find a head's cache rows and layout row."""
+    attrs = shape.attributes
+    return dict(seq_len=shape.seq_len, num_heads=attrs.num_heads, kv_num_heads=attrs.kv_num_heads, cache_rows=cache.rows,
+                num_layout=shape.num_layout, max_blocks=shape.max_blocks, block_size=attrs.sparse_block_size,
+                block_shift=attrs.sparse_block_size.bit_length() - 1)
+
+
+_LAYOUT_UNIFORMS = (("seq_len", "u32"), ("num_heads", "u32"), ("kv_num_heads", "u32"), ("cache_rows", "u32"),
+                    ("num_layout", "u32"), ("max_blocks", "u32"), ("block_size", "u32"), ("block_shift", "u32"))
+
+
+def prefill_tiled(shape: CallShape, tiling: PrefillTiling, cache: CacheFormat, resources: Mapping[str, BufferRange]) -> Dispatch:
+    """One workgroup per (query tile, head, batch row); heads along x so that the latest
+    (heaviest) tiles of every head are dispatched first."""
+    program = Program(
+        template="prefill_tiled.wgsl.jinja",
+        bindings=(
+            Binding("prepared_query", VEC4),
+            Binding("key_cache", cache.vec),
+            Binding("value_cache", cache.vec),
+            Binding("row_past", "u32"),
+            Binding("block_plan", "u32"),
+            Binding("output", VEC4, writable=True),
+        ),
+        uniforms=_LAYOUT_UNIFORMS,
+        constants=(
+            ("head_vec", tiling.head_vec),
+            ("query_tile", tiling.query_tile),
+            ("key_tile", tiling.key_tile),
+            ("query_regs", tiling.query_regs),
+            ("key_regs", tiling.key_regs),
+            ("depth_chunk", tiling.depth_chunk),
+            ("value_chunk", tiling.value_chunk),
+            ("value_cols", tiling.value_cols),
+            ("team", tiling.team),
+            ("probs_row", tiling.probs_row_vec4),
+            ("stage_vec4", tiling.stage_vec4),
+            ("prefetch", tiling.prefetch),
+        ),
+    )
+    workgroups = (shape.attributes.num_heads, _tiled_rows(shape, tiling.query_tile), shape.batch_size)
+    return bind("attention_tiled", program, resources, _layout_uniforms(shape, cache), workgroups)
+
+
+def prefill_rows(shape: CallShape, tuning: Tuning, cache: CacheFormat, resources: Mapping[str, BufferRange]) -> Dispatch:
+    """The CPU adapters' pass: one subgroup per (query tile, head, batch row), a few queries
+    per invocation, heads along x like the tiled pass."""
+    lanes, queries = tuning.rows_shape(shape)
+    program = Program(
+        template="prefill_rows.wgsl.jinja",
+        bindings=(
+            Binding("prepared_query", VEC4),
+            Binding("key_cache", cache.vec),
+            Binding("value_cache", cache.vec),
+            Binding("row_past", "u32"),
+            Binding("block_plan", "u32"),
+            Binding("output", VEC4, writable=True),
+        ),
+        uniforms=_LAYOUT_UNIFORMS,
+        constants=(("head_vec", shape.head_size // 4), ("rows", lanes), ("query_regs", queries)),
+    )
+    workgroups = (shape.attributes.num_heads, _tiled_rows(shape, lanes * queries), shape.batch_size)
+    return bind("attention_rows", program, resources, _layout_uniforms(shape, cache), workgroups)
+
+
+def decode_split(shape: CallShape, split: DecodeSplit, splits: int, cache: CacheFormat, resources: Mapping[str, BufferRange]) -> Dispatch:
+    """One workgroup per (slice, query, head, batch row): a partial softmax per slice."""
+    rotary_constants, rotary_bindings = _rotary(shape)
+    program = Program(
+        template="decode_split.wgsl.jinja",
+        bindings=(
+            Binding("query", VEC4),
+            Binding("key_cache", cache.vec),
+            Binding("value_cache", cache.vec),
+            Binding("row_past", "u32"),
+            Binding("block_plan", "u32"),
+            Binding("partial_acc", VEC4, writable=True),
+            Binding("partial_stats", "vec2<f32>", writable=True),
+        ) + rotary_bindings,
+        uniforms=_LAYOUT_UNIFORMS + (("query_row_vec", "u32"), ("rotary_half", "u32"), ("scale", "f32"), ("splits", "u32")),
+        constants=(
+            ("head_vec", split.head_vec),
+            ("workgroup_size", split.workgroup),
+            ("lanes_per_key", split.lanes_per_key),
+            ("keys_per_group", split.keys_per_group),
+        ) + rotary_constants,
+    )
+    uniforms = dict(_layout_uniforms(shape, cache), query_row_vec=shape.query_hidden // 4, rotary_half=shape.rotary_dim // 2,
+                    scale=shape.scale, splits=splits)
+    workgroups = (splits * shape.seq_len, shape.attributes.num_heads, shape.batch_size)
+    return bind("attention_split", program, resources, uniforms, workgroups)
+
+
+def decode_merge(shape: CallShape, tuning: Tuning, splits: int, cache: CacheFormat, resources: Mapping[str, BufferRange]) -> Dispatch:
+    """One workgroup per query: the slices' partials combined into the output."""
+    attrs = shape.attributes
+    head_vec = shape.head_size // 4
+    workgroup = tuning.merge_workgroup_for(head_vec)
+    program = Program(
+        template="decode_merge.wgsl.jinja",
+        bindings=(
+            Binding("partial_acc", VEC4),
+            Binding("partial_stats", "vec2<f32>"),
+            Binding("row_past", "u32"),
+            Binding("value_cache", cache.vec),
+            Binding("output", VEC4, writable=True),
+        ),
+        uniforms=(("count", "u32"), ("seq_len", "u32"), ("num_heads", "u32"), ("kv_num_heads", "u32"), ("cache_rows", "u32"), ("splits", "u32")),
+        constants=(("head_vec", head_vec), ("workgroup_size", workgroup), ("max_splits", tuning.decode_max_splits)),
+    )
+    count = shape.batch_size * shape.seq_len * attrs.num_heads
+    uniforms = dict(count=count, seq_len=shape.seq_len, num_heads=attrs.num_heads, kv_num_heads=attrs.kv_num_heads,
+                    cache_rows=cache.rows, splits=splits)
+    return bind("attention_merge", program, resources, uniforms, _fold(count))
 
 
 def scratch_bytes(shape: CallShape, tuning: Tuning) -> dict[str, int]:
     """GPU-only buffers the dispatches need beyond the call's inputs, outputs and cache."""
+    route = tuning.attention_route(shape)
+    queries = shape.batch_size * shape.seq_len * shape.attributes.num_heads
+    if route == SPLIT:
+        slices = queries * tuning.decode_splits(shape)
+        return {"partial_acc": slices * shape.head_size * 4, "partial_stats": slices * 8}
+    if route in (TILED, ROWS):
+        return {"prepared_query": queries * shape.head_size * 4}
     return {}
+
+
+def attention_dispatches(shape: CallShape, tuning: Tuning, cache: CacheFormat, resources: Mapping[str, BufferRange]) -> list[Dispatch]:
+    """The attention of one call by the pass its shape suits (tuning.attention_route)."""
+    route = tuning.attention_route(shape)
+    if route == SPLIT:
+        splits = tuning.decode_splits(shape)
+        split = tuning.decode_split(shape)
+        return [decode_split(shape, split, splits, cache, resources), decode_merge(shape, tuning, splits, cache, resources)]
+    if route == TILED:
+        return [query_prep(shape, tuning, resources), prefill_tiled(shape, tuning.prefill_tiling(shape), cache, resources)]
+    if route == ROWS:
+        return [query_prep(shape, tuning, resources), prefill_rows(shape, tuning, cache, resources)]
+    return [attention(shape, tuning, cache, resources)]
 
 
 def call_dispatches(shape: CallShape, tuning: Tuning, cache: CacheFormat, resources: Mapping[str, BufferRange]) -> list[Dispatch]:
     """Every dispatch of one call, in order."""
-    return [kv_append(shape, tuning, cache, resources), attention(shape, tuning, cache, resources)]
+    return [kv_append(shape, tuning, cache, resources)] + attention_dispatches(shape, tuning, cache, resources)

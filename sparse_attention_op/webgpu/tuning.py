@@ -2,8 +2,34 @@
 
 A :class:`Tuning` is chosen once per device from its limits and features
 (:func:`choose_tuning`); the kernels module reads it and nothing else decides tile sizes.
-Shape-dependent choices that follow from a tuning (how many queries a tile holds for a
-given call) are methods here too, so the reasoning stays next to the numbers.
+Shape-dependent choices that follow from a tuning (which attention pass serves a call, how
+many queries a tile holds, how many splits a decode query gets) are methods here too, so
+the reasoning stays next to the numbers.
+
+Four attention passes exist (kernels.py builds them; :meth:`Tuning.attention_route` picks):
+
+* ``tiled``: the throughput prefill pass of GPUs (prefill_tiled.wgsl.jinja). A workgroup
+  owns a tile of queries inside one block row and walks that row's selected keys in tiles
+  staged in workgroup memory, with register-blocked Q.K^T and P.V products and an online
+  softmax. Tails and chunks that start mid-tile are tiles with idle rows.
+* ``split``: split-K decode (decode_split.wgsl.jinja + decode_merge.wgsl.jinja) for one
+  query or a short chunk (S <= decode_max_queries): each query's selected keys are cut
+  into slices of equal key count, one workgroup each, and a merge pass combines the
+  partial softmaxes.
+* ``rows``: the prefill pass of CPU adapters (prefill_rows.wgsl.jinja): one subgroup per
+  query tile, keys shared by subgroup broadcasts, no workgroup memory, no barriers.
+* ``simple``: the original pass (attention.wgsl.jinja), one key per invocation. It stays
+  where nothing else runs: blocks smaller than 2 * prefill_query_regs (blocks of 4 or
+  less at the defaults), workgroup memory too small for any tile, adapters that cannot
+  hold the split pass's workgroup, and calls with more than decode_max_queries but fewer
+  than prefill_min_queries queries (none at the defaults). Measured on the H200 it lost
+  everywhere the others run: 7.7x slower than the tiled pass at prompts of 1024 to 8192
+  tokens, 25x slower than split-K at decode (scripts/tune_kernels.py, "simple pass");
+  prompts of 17 to 64 tokens were not measured there.
+
+Measurements quoted below: H200 through Vulkan, scripts/tune_kernels.py at the Phi-3-small
+shape (GPU time per dispatch, clocks warmed, see the script), 2026-12-01; lavapipe on this
+project's 2-core machine (--quick and --lavapipe-check).
 """
 
 from __future__ import annotations
@@ -13,9 +39,107 @@ from dataclasses import dataclass
 
 from ..spec import CallShape
 
+SIMPLE, TILED, SPLIT, ROWS = "simple", "tiled", "split", "rows"
+
+
+@dataclass(frozen=True)
+class PrefillTiling:
+    """The code shape of one tiled prefill pipeline (all constants of the template)."""
+
+    query_tile: int  # queries of a workgroup (TQ), all in one block row
+    key_tile: int  # keys per online-softmax step (TK)
+    query_regs: int  # queries per invocation in the register block (QR)
+    key_regs: int  # keys per invocation in the score block (KR)
+    depth_chunk: int  # vec4s of the head staged per Q.K^T step (DCV)
+    value_chunk: int  # keys of V staged per P.V step (KC)
+    head_vec: int  # head_size / 4
+    prefetch: bool = True  # software-pipelined staging (loads a step ahead, in registers)
+
+    @property
+    def query_threads(self) -> int:
+        return self.query_tile // self.query_regs
+
+    @property
+    def key_threads(self) -> int:
+        return self.key_tile // self.key_regs
+
+    @property
+    def workgroup(self) -> int:
+        return self.query_threads * self.key_threads
+
+    @property
+    def team(self) -> int:
+        """Invocations per query row in the softmax step."""
+        return self.workgroup // self.query_tile
+
+    @property
+    def value_cols(self) -> int:
+        """Output vec4 columns per invocation in the P.V product (the head padded to fit)."""
+        return -(-self.head_vec // self.key_threads)
+
+    @property
+    def stage_vec4(self) -> int:
+        """The staging region: a Q and a K chunk (rows padded by one vec4 so the score
+        loop's strided row reads spread over the banks), or a V chunk, whichever is larger."""
+        qk = (self.query_tile + self.key_tile) * (self.depth_chunk + 1)
+        v = self.value_chunk * self.value_cols * self.key_threads
+        return max(qk, v)
+
+    @property
+    def probs_row_vec4(self) -> int:
+        """Row stride of the probability tile in vec4s: one spare vec4 so the softmax
+        team's reads (rows apart by the stride) land on distinct banks."""
+        return self.key_tile // 4 + 1
+
+    def barriers_per_key(self) -> float:
+        depth_steps = -(-self.head_vec // self.depth_chunk)
+        return (2 * depth_steps + 3 + 2 * (self.key_tile // self.value_chunk - 1)) / self.key_tile
+
+    def workgroup_bytes(self) -> int:
+        stage = self.stage_vec4 * 16
+        probs = self.query_tile * self.probs_row_vec4 * 16
+        stats = (2 * self.query_tile * self.team + 2 * self.query_tile) * 4
+        return stage + probs + stats
+
+    def valid(self) -> bool:
+        return (
+            self.query_tile % self.query_regs == 0
+            and self.key_tile % self.key_regs == 0
+            and self.key_tile % 4 == 0
+            and self.workgroup % self.query_tile == 0
+            and (self.key_tile // 4) % max(1, self.team) == 0
+            and self.team >= 1
+            and self.key_tile % self.value_chunk == 0
+            and self.value_chunk % 4 == 0
+        )
+
+
+@dataclass(frozen=True)
+class DecodeSplit:
+    """The code shape of the split-K decode pipeline (constants of decode_split)."""
+
+    workgroup: int
+    lanes_per_key: int  # invocations sharing one key's dot product (their loads coalesce)
+    keys_per_group: int  # keys each lane group scores per tile (loads in flight)
+    head_vec: int
+
+    @property
+    def groups(self) -> int:
+        return self.workgroup // self.lanes_per_key
+
+    @property
+    def tile_keys(self) -> int:
+        return self.groups * self.keys_per_group
+
+    @property
+    def parts(self) -> int:
+        """Key parts in the value step: invocations per output vec4 column."""
+        return self.workgroup // self.head_vec
+
 
 @dataclass(frozen=True)
 class Tuning:
+    # -- the simple pass (attention.wgsl.jinja) ------------------------------------------
     #: Invocations of the attention pass's workgroup: one key per invocation per tile.
     attention_workgroup: int = 64
     #: Queries sharing each K/V load in prefill. They span at most two block rows for
@@ -25,7 +149,82 @@ class Tuning:
     append_workgroup: int = 256
     #: Workgroup memory the adapter offers (bytes).
     workgroup_storage_bytes: int = 16384
+    #: Largest storage binding (bytes): scratch buffers must fit in one.
+    max_binding_bytes: int = 128 << 20
+    #: Most invocations a workgroup may have (WebGPU guarantees 256).
+    max_invocations: int = 256
 
+    # -- the tiled prefill pass ----------------------------------------------------------
+    #: Queries per workgroup. 64 = one Phi-3 block row: the K/V tile staged in workgroup
+    #: memory is shared by 64 queries (the arithmetic intensity of a 64x64 GEMM tile).
+    #: Smaller blocks shrink it to the block size (a tile never spans two block rows).
+    prefill_query_tile: int = 64
+    #: Keys per online-softmax step. 64 keeps the score tile (TQ x TK floats) at 16 KiB;
+    #: 32 was 30% slower on the H200 (the softmax's barriers are per tile).
+    prefill_key_tile: int = 64
+    #: Register block of the score product: each invocation owns QR x KR scores, so one
+    #: vec4 of Q and one of K feed QR*KR dot products. 4 x 4 is the plain GEMM blocking
+    #: (256 invocations for a 64 x 64 tile). H200: 8 x 4 was 6-9% slower, 4 x 8 10-13%,
+    #: 8 x 8 2x (registers), 32-query tiles with 2 x 4 blocks 1.4x.
+    prefill_query_regs: int = 4
+    prefill_key_regs: int = 4
+    #: Head vec4s per Q/K staging step: (TQ + TK) x 8 vec4 = 18 KiB with padding.
+    #: H200: 4 and 16 within 1-2% (fewer barriers against more workgroups per SM).
+    prefill_depth_chunk: int = 8
+    #: Keys of V per staging step: 32 x 128 floats = 16 KiB at head size 128. H200: 16
+    #: and 64 (with depth 4) within 2%. Adapters with less workgroup memory get smaller
+    #: chunks, then smaller tiles (prefill_tiling).
+    prefill_value_chunk: int = 32
+    #: Issue each staging step's global loads one step ahead (into registers), so their
+    #: latency hides behind the current step's arithmetic instead of stalling between
+    #: barriers. Costs a few registers per invocation (one vec4 per staged vec4). H200:
+    #: 8-10% faster at 4096 and 8192 tokens; lavapipe: 4-27% slower (it has no latency
+    #: to hide), but lavapipe takes the rows pass.
+    prefill_prefetch: bool = True
+    #: Calls of fewer queries (and more than decode_max_queries) use the simple pass: at
+    #: the defaults there are none, every call of 17 queries or more is a prefill.
+    prefill_min_queries: int = 17
+
+    #: The prefill pass: TILED on GPUs; ROWS (prefill_rows.wgsl.jinja) on CPU adapters,
+    #: where per-invocation addresses cost a gather each and barriers are slow.
+    prefill_pass: str = TILED
+    #: Rows pass: lanes of a workgroup, which must be one whole subgroup for its fast path
+    #: (lavapipe's subgroup is its SIMD width: 8 lanes of f32 on 256-bit AVX2).
+    rows_lanes: int = 8
+    #: Rows pass: queries per lane; each broadcast K or V vec4 feeds this many of them.
+    #: (CPU_FIELDS sets the measured choice for CPU adapters.)
+    rows_query_regs: int = 2
+
+    # -- split-K decode ------------------------------------------------------------------
+    #: Calls of at most this many queries use split-K (decode, short chunks): a tile of
+    #: queries would be mostly empty, and each query's keys alone fill the GPU when split.
+    #: (A reasoned bound: chunks of 2 to 64 tokens were not measured against the tiled pass.)
+    decode_max_queries: int = 16
+    #: Invocations of a split workgroup. The H200 decode figures here and below are from
+    #: sweeps whose GPU clock drifted down across candidates (the KV-append pass, the same
+    #: in all, took 6 to 12 us), so they rank more than they measure: 128 and 64 were
+    #: slower in every sweep (fewer loads in flight per workgroup).
+    decode_workgroup: int = 256
+    #: 8 lanes per key: a lane group reads 128 contiguous bytes of a key row per load.
+    #: H200: 4 and 16 lanes slower in every sweep.
+    decode_lanes_per_key: int = 8
+    #: Each lane group scores 2 keys per tile: more loads in flight per invocation.
+    #: H200: 1 and 4 keys slower in every sweep (4: a 128-key tile outgrows the slices).
+    decode_keys_per_group: int = 2
+    #: Workgroups to aim for across the call (splits = this / (batch*heads*queries)).
+    #: H200, decode at history 8191 (32 heads): 256 (8 slices of ~240 keys, two
+    #: workgroups per multiprocessor) beat 64, 512, 1024 and 2048 for both f32 and f16
+    #: caches in two sweeps (f32: 26 us against 35 at 512 and 39 at 64); more slices
+    #: mean more partials to write and merge for the same bytes.
+    decode_target_workgroups: int = 256
+    #: No split gets fewer keys than this (a split re-reads q and writes a partial).
+    decode_min_keys_per_split: int = 64
+    decode_max_splits: int = 64
+    #: The merge pass: invocations per query (at least one per output vec4); the spare
+    #: ones read disjoint slices in parallel. H200: 64 slower in every sweep.
+    merge_workgroup: int = 256
+
+    # -- shape-dependent choices -----------------------------------------------------------
     def attention_queries(self, shape: CallShape) -> int:
         """Decode has one query per head, so a tile would only idle; prefill shares each
         K/V load between up to attention_query_tile queries, as many as fit."""
@@ -33,6 +232,87 @@ class Tuning:
         while tile > 1 and attention_workgroup_bytes(self.attention_workgroup, tile, shape.head_size) > self.workgroup_storage_bytes:
             tile //= 2
         return tile
+
+    def attention_route(self, shape: CallShape) -> str:
+        """Which attention pass serves this call (module docstring)."""
+        if shape.seq_len <= self.decode_max_queries and self.decode_split(shape) is not None:
+            return SPLIT
+        if shape.seq_len >= self.prefill_min_queries:
+            if self.prefill_pass == ROWS:
+                return ROWS
+            if self.prefill_tiling(shape) is not None:
+                return TILED
+        return SIMPLE
+
+    def rows_shape(self, shape: CallShape) -> tuple[int, int]:
+        """The rows pass's (lanes, queries per lane): a tile of lanes * queries inside one
+        block row (fewer queries per lane for small blocks, then fewer lanes)."""
+        block = shape.attributes.sparse_block_size
+        lanes = min(self.rows_lanes, block)
+        return lanes, max(1, min(self.rows_query_regs, block // lanes))
+
+    def prefill_tiling(self, shape: CallShape) -> PrefillTiling | None:
+        """The tiled pass's shape for this call, shrunk until it fits workgroup memory;
+        None where no tile fits or the blocks are smaller than the smallest tile."""
+        query_tile = min(self.prefill_query_tile, shape.attributes.sparse_block_size)
+        query_regs = min(self.prefill_query_regs, query_tile)
+        if query_tile < 2 * query_regs:  # 8-token blocks: too few queries to share loads
+            return None
+        head_vec = shape.head_size // 4
+        tiling = PrefillTiling(query_tile, self.prefill_key_tile, query_regs, self.prefill_key_regs, min(self.prefill_depth_chunk, head_vec),
+                               self.prefill_value_chunk, head_vec, self.prefill_prefetch)
+        if tiling.workgroup > self.max_invocations:
+            return None
+        if tiling.valid() and tiling.workgroup_bytes() <= self.workgroup_storage_bytes:
+            return tiling
+        # Too big for this adapter: of the smaller tiles and chunks that fit, the one with
+        # the most reuse (Q.K^T flops per staged Q or K element: TQ*TK / (TQ+TK)), then the
+        # fewest barriers per key (each staging step costs two).
+        fitting = [t for t in _halvings(tiling) if t.valid() and t.workgroup_bytes() <= self.workgroup_storage_bytes]
+        if not fitting:
+            return None
+        return max(fitting, key=lambda t: (t.query_tile * t.key_tile / (t.query_tile + t.key_tile), -t.barriers_per_key()))
+
+    def merge_workgroup_for(self, head_vec: int) -> int:
+        """The merge pass's workgroup: merge_workgroup, and at least one invocation per output vec4."""
+        return max(self.merge_workgroup, _pow2_at_least(head_vec))
+
+    def decode_split(self, shape: CallShape) -> DecodeSplit | None:
+        head_vec = shape.head_size // 4
+        if head_vec > self.decode_workgroup or self.decode_workgroup > self.max_invocations:
+            return None
+        return DecodeSplit(self.decode_workgroup, min(self.decode_lanes_per_key, _pow2_at_least(head_vec)), self.decode_keys_per_group, head_vec)
+
+    def decode_splits(self, shape: CallShape) -> int:
+        """Slices per query: enough workgroups for the GPU, never slices thinner than
+        decode_min_keys_per_split keys, and partials that fit one storage binding."""
+        queries = shape.batch_size * shape.attributes.num_heads * shape.seq_len
+        longest = max(shape.past_lengths) + shape.seq_len  # no query sees more keys
+        splits = min(-(-self.decode_target_workgroups // queries), -(-longest // self.decode_min_keys_per_split), self.decode_max_splits)
+        per_split_bytes = queries * shape.head_size * 4  # the partial accumulators of one slice
+        return max(1, min(splits, self.max_binding_bytes // per_split_bytes))
+
+
+def _halvings(tiling: PrefillTiling):
+    """Every tiling with the query tile, key tile and staging chunks halved any number of
+    times (down to what the register blocks need)."""
+    def halves(value, floor):
+        while value >= floor:
+            yield value
+            value //= 2
+
+    for query_tile in halves(tiling.query_tile, 2 * tiling.query_regs):
+        for key_tile in halves(tiling.key_tile, max(4, 4 * tiling.key_regs)):
+            for depth in halves(tiling.depth_chunk, 1):
+                for value in halves(min(tiling.value_chunk, key_tile), 4):
+                    yield dataclasses.replace(tiling, query_tile=query_tile, key_tile=key_tile, depth_chunk=depth, value_chunk=value)
+
+
+def _pow2_at_least(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
 
 
 def value_parts(workgroup: int, head_size: int) -> int:
@@ -47,6 +327,39 @@ def attention_workgroup_bytes(workgroup: int, query_tile: int, head_size: int) -
     return shared + (query_tile * parts * head_vec * 16 if parts > 1 else 0)
 
 
-def choose_tuning(limits: dict, features: frozenset) -> Tuning:
-    """The tuning for an adapter with these limits and features."""
-    return dataclasses.replace(Tuning(), workgroup_storage_bytes=int(limits.get("max-compute-workgroup-storage-size", 16384)))
+def looks_like_cpu(limits: dict) -> bool:
+    """Whether limits alone suggest Mesa's software Vulkan (lavapipe): a 128 MiB storage
+    binding with 32 KiB of workgroup memory and 1024 invocations per workgroup. A guess
+    (some mobile GPUs share those numbers); :func:`choose_tuning` prefers the adapter type."""
+    return (int(limits.get("max-storage-buffer-binding-size", 0)) <= 128 << 20
+            and int(limits.get("max-compute-workgroup-storage-size", 0)) <= 32768
+            and int(limits.get("max-compute-invocations-per-workgroup", 0)) >= 1024)
+
+
+def choose_tuning(limits: dict, features: frozenset, adapter_type: str | None = None) -> Tuning:
+    """The tuning for an adapter with these limits and features.
+
+    GPUs (measured: NVIDIA H200 through Vulkan, scripts/tune_kernels.py) take the class
+    defaults: tiled prefill, split-K decode over ~256 workgroups. CPU adapters (lavapipe,
+    measured on 2 cores) take the rows pass for prompts, since there gathers and barriers
+    dominate and subgroup shuffles are nearly free: sparse prefill of 2048 tokens 5x
+    faster than the tiled pass. It needs the ``subgroup`` feature; without it they keep
+    the tiled pass. The adapter type comes from the caller where it knows it, else from
+    :func:`looks_like_cpu`.
+    """
+    workgroup_bytes = int(limits.get("max-compute-workgroup-storage-size", 16384))
+    binding_bytes = int(limits.get("max-storage-buffer-binding-size", 128 << 20))
+    invocations = int(limits.get("max-compute-invocations-per-workgroup", 256))
+    tuning = Tuning(workgroup_storage_bytes=workgroup_bytes, max_binding_bytes=binding_bytes, max_invocations=invocations)
+    cpu = adapter_type == "CPU" if adapter_type is not None else looks_like_cpu(limits)
+    if cpu and "subgroup" in features:
+        tuning = dataclasses.replace(tuning, **CPU_FIELDS)
+    return tuning
+
+
+#: What CPU adapters change (lavapipe, 2 cores; scripts/tune_kernels.py --quick and
+#: --lavapipe-check): the rows pass with 4 queries per lane, so that one gathered vec4 and
+#: its 8 broadcasts feed 32 multiply-adds (1 query per lane: 1.7x slower; 8: the same as
+#: 4); split-K decode over ~64 workgroups (2 cores gain nothing from more: 1024 was 2.5x
+#: slower at history 1023, 64 matched the simple pass there and beat it at 4095).
+CPU_FIELDS = dict(prefill_pass=ROWS, rows_lanes=8, rows_query_regs=4, decode_target_workgroups=64)

@@ -1,0 +1,267 @@
+"""The attention passes one by one (tiled prefill, split-K decode, rows, simple) against the
+float64 reference, each forced through a tuning of its own, at the shapes their tiling makes
+hard: tiles across block rows and the causal diagonal, tails, chunks that start mid-tile,
+head sizes whose tiles need padding or do not fit, slices emptier than the work."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from helpers import assert_matches_reference, run_executor
+from sparse_attention_op.inputs import CaseConfig, random_inputs
+from sparse_attention_op.spec import OpAttributes, build_call
+from sparse_attention_op.webgpu import kernels
+from sparse_attention_op.webgpu.executor import WebGPUExecutor
+from sparse_attention_op.webgpu.tuning import ROWS, SIMPLE, SPLIT, TILED, Tuning, choose_tuning
+
+pytestmark = pytest.mark.gpu
+
+#: Small tiles, so that a test of tens of tokens crosses many tiles, block rows and key tiles.
+SMALL_TILES = dict(prefill_query_tile=16, prefill_key_tile=16, prefill_query_regs=2, prefill_key_regs=2,
+                   prefill_depth_chunk=2, prefill_value_chunk=8, prefill_min_queries=2, decode_max_queries=1, prefill_pass=TILED)
+ROUTES = {
+    TILED: dict(SMALL_TILES),
+    "tiled-default": dict(prefill_min_queries=2, decode_max_queries=1, prefill_pass=TILED),
+    "tiled-no-prefetch": dict(SMALL_TILES, prefill_prefetch=False),
+    SPLIT: dict(decode_max_queries=4096, decode_target_workgroups=4096, decode_min_keys_per_split=3),
+    ROWS: dict(prefill_pass=ROWS, rows_lanes=8, rows_query_regs=2, prefill_min_queries=1, decode_max_queries=0),
+    SIMPLE: dict(decode_max_queries=0, prefill_min_queries=1 << 30),
+}
+_executors: dict = {}
+
+
+def executor_for(base, fields: dict) -> WebGPUExecutor:
+    """An executor on the session's device with the adapter's tuning and these fields replaced
+    (one per distinct tuning, so its pipelines compile once)."""
+    tuning = dataclasses.replace(base.tuning, **fields)
+    if tuning not in _executors:
+        _executors[tuning] = WebGPUExecutor(base.context, tuning)
+    return _executors[tuning]
+
+
+def check(executor, config, rng, expect_route, past=None, node_key="kernels", tol=2e-3, float16_storage=False, inputs=None):
+    """One call through ``executor``, which must take ``expect_route``, against the reference."""
+    if inputs is None:
+        inputs = random_inputs(config, rng, past=past)
+    if float16_storage:
+        inputs = {k: (v.astype(np.float16).astype(np.float32) if v.dtype == np.float32 else v) for k, v in inputs.items()}
+    shape = build_call(inputs, OpAttributes.from_mapping(config.node_attributes())).shape
+    assert executor.tuning.attention_route(shape) == expect_route
+    outputs = run_executor(executor, inputs, config.node_attributes(), node_key, float16_storage=float16_storage)
+    assert_matches_reference(outputs, inputs, config.node_attributes(), what=f"{expect_route} {config}", tol=tol)
+    return outputs
+
+
+def forced(executor, route):
+    expect = TILED if route.startswith(TILED) else route
+    return executor_for(executor, ROUTES[route]), expect
+
+
+def decode_route(route) -> str:
+    """The pass a one-query call takes under ROUTES[route]."""
+    return SPLIT if route.startswith(TILED) else route
+
+
+@pytest.mark.parametrize("route", [TILED, "tiled-default", "tiled-no-prefetch", ROWS, SIMPLE])
+@pytest.mark.parametrize("seq_len", [16, 37, 70])
+def test_prompt_tiles_cross_block_rows_and_the_diagonal(executor, rng, route, seq_len):
+    # Blocks of 32 with tiles of 16: two query tiles per block row, key tiles inside and
+    # across blocks, the diagonal block cut at every tile; 37 and 70 leave tails.
+    runner, expect = forced(executor, route)
+    config = CaseConfig(seq_len=seq_len, max_cache_len=96, sparse_block_size=32, head_size=32, local_blocks=1, vert_stride=2)
+    check(runner, config, rng, expect)
+
+
+@pytest.mark.parametrize("route", [TILED, "tiled-no-prefetch", ROWS, SPLIT])
+@pytest.mark.parametrize("past", [(9,), (16,), (30, 3)])
+def test_chunked_prefill_with_history_starts_mid_tile(executor, rng, route, past):
+    runner, expect = forced(executor, route)
+    config = CaseConfig(batch=len(past), seq_len=21, past_lengths=past, max_cache_len=64, sparse_block_size=16, vert_stride=3)
+    check(runner, config, rng, expect)
+
+
+@pytest.mark.parametrize("route", [TILED, ROWS, SPLIT])
+@pytest.mark.parametrize("head_size", [8, 24, 40, 64, 136, 256])
+def test_head_sizes(executor, rng, route, head_size):
+    # 8 and 24: fewer head vec4s than a depth chunk or an output column block (padding);
+    # 256: the largest head, whose tiles shrink their staging to fit workgroup memory.
+    runner, expect = forced(executor, route)
+    config = CaseConfig(head_size=head_size, seq_len=19, max_cache_len=48, num_heads=4, kv_num_heads=2, sparse_block_size=16)
+    check(runner, config, rng, expect)
+
+
+def test_largest_head_falls_back_where_no_tile_fits(executor, rng):
+    # 4 KiB of workgroup memory holds no tile of a 256-wide head: the simple pass serves it
+    # (its own tile shrinks to one query).
+    runner = executor_for(executor, dict(workgroup_storage_bytes=4096, prefill_min_queries=2, decode_max_queries=0, prefill_pass=TILED))
+    config = CaseConfig(head_size=256, seq_len=20, max_cache_len=32, sparse_block_size=16)
+    assert runner.tuning.prefill_tiling(build_call(random_inputs(config, rng), OpAttributes.from_mapping(config.node_attributes())).shape) is None
+    check(runner, config, rng, SIMPLE)
+
+
+@pytest.mark.parametrize("storage", [16384, 32768, 49152])
+def test_default_tiles_shrink_to_the_workgroup_memory(executor, rng, storage):
+    runner = executor_for(executor, dict(workgroup_storage_bytes=storage, prefill_min_queries=2, decode_max_queries=0, prefill_pass=TILED))
+    config = CaseConfig(head_size=128, seq_len=70, max_cache_len=128, sparse_block_size=64, num_heads=2, kv_num_heads=1)
+    tiling = runner.tuning.prefill_tiling(build_call(random_inputs(config, rng), OpAttributes.from_mapping(config.node_attributes())).shape)
+    assert tiling is not None and tiling.workgroup_bytes() <= storage
+    check(runner, config, rng, TILED)
+
+
+@pytest.mark.parametrize("route", ["tiled-default", ROWS, SPLIT])
+@pytest.mark.parametrize("block", [8, 16, 32, 64, 128])
+def test_block_sizes(executor, rng, route, block):
+    runner, expect = forced(executor, route)
+    config = CaseConfig(sparse_block_size=block, max_cache_len=4 * block, seq_len=2 * block + 3, head_size=16, local_blocks=1, vert_stride=2)
+    check(runner, config, rng, expect)
+    step = dataclasses.replace(config, seq_len=1, past_lengths=(3 * block + 1,))
+    check(runner, step, rng, decode_route(route))
+
+
+@pytest.mark.parametrize("route", [TILED, ROWS, SPLIT])
+@pytest.mark.parametrize("num_heads,kv_num_heads,num_layout", [(4, 4, 1), (8, 2, 4), (8, 1, 8), (12, 4, 6)])
+def test_gqa_and_layouts(executor, rng, route, num_heads, kv_num_heads, num_layout):
+    runner, expect = forced(executor, route)
+    config = CaseConfig(num_heads=num_heads, kv_num_heads=kv_num_heads, num_layout=num_layout, seq_len=21, max_cache_len=48, vert_stride=3)
+    check(runner, config, rng, expect)
+
+
+def no_reachable_block_inputs(config, rng):
+    """Layout 1's row 2 selects only the future block 3: its queries see no key and must
+    average V over their history; layout 0 is plain causal."""
+    inputs = random_inputs(config, rng)
+    rows = np.array([[0, 1, 3, 6, 10], [0, 1, 3, 4, 6]], np.int32)
+    cols = np.array([[0, 0, 1, 0, 1, 2, 0, 1, 2, 3], [0, 1, 1, 3, 3, 0, -1, -1, -1, -1]], np.int32)
+    inputs.update(block_row_indices=rows, block_col_indices=cols)
+    return inputs
+
+
+@pytest.mark.parametrize("route", [TILED, ROWS, SPLIT])
+def test_rows_with_no_visible_key_average_their_history(executor, rng, route):
+    runner, expect = forced(executor, route)
+    config = CaseConfig(seq_len=30, max_cache_len=32, sparse_block_size=8, num_layout=2)
+    check(runner, config, rng, expect, inputs=no_reachable_block_inputs(config, rng))
+
+
+def test_decode_with_no_visible_key(executor, rng):
+    runner, _ = forced(executor, SPLIT)
+    config = CaseConfig(seq_len=1, past_lengths=(19,), max_cache_len=32, sparse_block_size=8, num_layout=2)
+    inputs = no_reachable_block_inputs(config, rng)  # query at 19: row 2, which sees nothing in layout 1
+    check(runner, config, rng, SPLIT, inputs=inputs)
+
+
+@pytest.mark.parametrize("route", [TILED, ROWS, SPLIT])
+def test_f16_cache(executor, rng, route):
+    if "shader-f16" not in executor.context.features:
+        pytest.fail("the f16 cache needs an adapter with shader-f16 (lavapipe has it)")
+    runner, expect = forced(executor, route)
+    config = CaseConfig(seq_len=23, max_cache_len=48, sparse_block_size=16, do_rotary=True, head_size=32)
+    check(runner, config, rng, expect, float16_storage=True, tol=1e-2)
+    assert runner.node_state("kernels").cache.dtype == np.float16
+    step = dataclasses.replace(config, seq_len=1, past_lengths=(40,))
+    check(runner, step, rng, decode_route(route), float16_storage=True, tol=1e-2, node_key="kernels-f16")
+
+
+@pytest.mark.parametrize("route", [TILED, ROWS, SPLIT])
+@pytest.mark.parametrize("rotary", [dict(do_rotary=True), dict(do_rotary=True, rotary_interleaved=True), dict(do_rotary=True, rotary_dim=16)])
+def test_rotary_queries(executor, rng, route, rotary):
+    runner, expect = forced(executor, route)
+    config = CaseConfig(seq_len=18, past_lengths=(5,), max_cache_len=32, head_size=32, packed=True, **rotary)
+    check(runner, config, rng, expect)
+
+
+def test_split_k_with_more_slices_than_keys(executor, rng):
+    # Up to 64 slices of one key each, for queries that see from 1 to 20 keys: most slices
+    # are empty and must drop out of the merge.
+    runner = executor_for(executor, dict(decode_max_queries=16, decode_target_workgroups=1 << 20, decode_min_keys_per_split=1))
+    config = CaseConfig(batch=3, seq_len=1, past_lengths=(0, 7, 40), max_cache_len=48, sparse_block_size=8, local_blocks=1, vert_stride=4)
+    inputs = random_inputs(config, rng)
+    shape = build_call(inputs, OpAttributes.from_mapping(config.node_attributes())).shape
+    assert runner.tuning.decode_splits(shape) == 41
+    check(runner, config, rng, SPLIT, inputs=inputs)
+
+
+@pytest.mark.parametrize("past", [(0, 5, 40, 63), (63, 0, 17, 1)])
+def test_split_k_ragged_batch(executor, rng, past):
+    runner, _ = forced(executor, SPLIT)
+    config = CaseConfig(batch=4, seq_len=1, past_lengths=past, max_cache_len=64)
+    check(runner, config, rng, SPLIT)
+
+
+@pytest.mark.parametrize("route", [TILED, ROWS])
+def test_padded_prompt_rows_of_different_lengths(executor, rng, route):
+    runner, expect = forced(executor, route)
+    config = CaseConfig(batch=3, seq_len=29, prompt_lengths=(29, 1, 17), max_cache_len=32, sparse_block_size=16)
+    check(runner, config, rng, expect)
+
+
+def test_split_k_short_chunk_decode_chain(executor, rng):
+    # Chunks of 3 and single steps through split-K, the presents fed back each time.
+    runner, _ = forced(executor, SPLIT)
+    config = CaseConfig(batch=2, seq_len=5, prompt_lengths=(5, 3), max_cache_len=40, sparse_block_size=8)
+    outputs = check(runner, config, rng, SPLIT, node_key="chain")
+    lengths = np.array([5, 3])
+    for seq_len in (3, 1, 1, 3):
+        step = dataclasses.replace(config, seq_len=seq_len, past_lengths=tuple(int(v) for v in lengths), prompt_lengths=None)
+        outputs = check(runner, step, rng, SPLIT, past=outputs[1:], node_key="chain")
+        lengths = lengths + seq_len
+
+
+def test_split_k_partials_stay_within_one_binding(executor, rng):
+    # A binding limit that holds the partials of 3 slices only: the split count obeys it.
+    config = CaseConfig(batch=2, seq_len=1, past_lengths=(40, 33), max_cache_len=48, num_heads=4, head_size=16)
+    inputs = random_inputs(config, rng)
+    shape = build_call(inputs, OpAttributes.from_mapping(config.node_attributes())).shape
+    per_slice = 2 * 4 * 16 * 4
+    runner = executor_for(executor, dict(decode_max_queries=16, decode_target_workgroups=4096, decode_min_keys_per_split=1,
+                                         max_binding_bytes=3 * per_slice + 100))
+    assert runner.tuning.decode_splits(shape) == 3
+    assert max(kernels.scratch_bytes(shape, runner.tuning).values()) <= runner.tuning.max_binding_bytes
+    check(runner, config, rng, SPLIT, inputs=inputs)
+
+
+@pytest.mark.parametrize("lanes", [4, 16])
+def test_rows_pass_without_one_whole_subgroup(executor, rng, lanes):
+    # Workgroups that are not exactly one subgroup (lavapipe's is 8 lanes) take the path
+    # where every lane reads each key itself; blocks of 4 force 4 lanes too.
+    runner = executor_for(executor, dict(ROUTES[ROWS], rows_lanes=lanes))
+    config = CaseConfig(seq_len=37, max_cache_len=64, sparse_block_size=32, vert_stride=2, local_blocks=1, head_size=24)
+    check(runner, config, rng, ROWS)
+    check(executor_for(executor, ROUTES[ROWS]), dataclasses.replace(config, sparse_block_size=4, max_cache_len=40), rng, ROWS)
+
+
+def test_adapter_tuning_routes(executor):
+    """What the adapter's own tuning picks: split-K for decode, a prefill pass for prompts."""
+    def shape(seq_len, past=None, block=64):
+        config = CaseConfig(seq_len=seq_len, past_lengths=past, max_cache_len=256, sparse_block_size=block, head_size=64)
+        return build_call(random_inputs(config, np.random.default_rng(0)), OpAttributes.from_mapping(config.node_attributes())).shape
+
+    tuning = executor.tuning
+    assert tuning.attention_route(shape(1, (200,))) == SPLIT
+    assert tuning.attention_route(shape(200)) in (TILED, ROWS)
+    h200 = choose_tuning({"max-compute-workgroup-storage-size": 49152, "max-storage-buffer-binding-size": 2**31 - 4,
+                          "max-compute-invocations-per-workgroup": 1024}, frozenset({"subgroup", "shader-f16"}))
+    assert h200.attention_route(shape(200)) == TILED and h200.attention_route(shape(3, (100,))) == SPLIT
+    lavapipe = {"max-compute-workgroup-storage-size": 32768, "max-storage-buffer-binding-size": 2**27,
+                "max-compute-invocations-per-workgroup": 1024}
+    assert choose_tuning(lavapipe, frozenset({"subgroup"})).attention_route(shape(200)) == ROWS
+    assert choose_tuning(lavapipe, frozenset()).attention_route(shape(200)) == TILED  # no shuffles: no rows pass
+    assert choose_tuning(lavapipe, frozenset({"subgroup"}), adapter_type="DiscreteGPU").attention_route(shape(200)) == TILED
+    default = Tuning(workgroup_storage_bytes=49152)
+    assert default.attention_route(shape(200)) == TILED
+    assert default.attention_route(shape(200, block=4)) == SIMPLE  # blocks smaller than any tile
+    assert default.prefill_tiling(shape(200)).workgroup == 256
+
+
+def test_rows_and_tiled_agree_with_simple_on_a_long_prompt(executor, rng):
+    # The Phi-3-small layout pattern at reduced width: many block rows with vertical stripes.
+    config = CaseConfig(seq_len=200, max_cache_len=256, sparse_block_size=16, num_heads=4, kv_num_heads=2, num_layout=4,
+                        local_blocks=3, vert_stride=4, head_size=64, do_rotary=True)
+    inputs = random_inputs(config, rng)
+    results = {}
+    for route in ("tiled-default", ROWS, SIMPLE):
+        runner, expect = forced(executor, route)
+        results[route] = check(runner, config, rng, expect, inputs=inputs)[0]
+    assert np.abs(results["tiled-default"] - results[SIMPLE]).max() < 1e-4
+    assert np.abs(results[ROWS] - results[SIMPLE]).max() < 1e-4
