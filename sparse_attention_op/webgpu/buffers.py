@@ -60,6 +60,8 @@ class BufferPool:
         self._device = device
         self._max_binding = max_binding_bytes
         self._buffers: dict[str, object] = {}
+        #: Buffers of one call only, destroyed once its command buffer is submitted.
+        self.temporaries: list = []
 
     def get(self, name: str, nbytes: int, usage: int) -> object:
         nbytes = max(int(nbytes), _MIN_BYTES)
@@ -75,6 +77,10 @@ class BufferPool:
         buffer = self._device.create_buffer(size=grown, usage=usage, label=name)
         self._buffers[name] = buffer
         return buffer
+
+    def release_temporaries(self) -> None:
+        while self.temporaries:
+            self.temporaries.pop().destroy()
 
     def drop(self, name: str) -> None:
         buffer = self._buffers.pop(name, None)
@@ -157,7 +163,9 @@ class Upload:
             encoder.copy_buffer_to_buffer(staging, offset, destination, destination_offset, -(-array.nbytes // 4) * 4)
             offset += aligned(array.nbytes)
         if not kept:
-            staging.destroy()  # after the copies that read it complete
+            # Destroyed only after the submit that reads it (a destroyed buffer in a submit
+            # is a fatal wgpu-native error): the executor calls release_temporaries().
+            pool.temporaries.append(staging)
 
 
 def _mapped_bytes(buffer, size: int) -> np.ndarray:

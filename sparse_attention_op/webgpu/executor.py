@@ -358,6 +358,7 @@ class WebGPUExecutor:
             download.add(ticks, BufferRange(resolved))
         download.encode(encoder)
         device.queue.submit([encoder.finish()])
+        self._scratch.release_temporaries()
         phases["encode_submit"] = time.perf_counter() - tick
 
         tick = time.perf_counter()
