@@ -97,7 +97,7 @@ class Decoder:
         self.config = CaseConfig(seq_len=1, max_cache_len=capacity, past_lengths=(history,), **PHI3_SMALL)
         shape = (1, self.config.kv_num_heads, capacity, self.config.head_size)
         self.past = [rng.standard_normal(shape, dtype=np.float32) for _ in range(2)]
-        self.values = [ort.OrtValue.ortvalue_from_numpy(p) for p in self.past] if way == "shared" else None
+        self.values = {n: ort.OrtValue.ortvalue_from_numpy(p) for n, p in zip(("past_key", "past_value"), self.past)} if way == "shared" else None
         self.history = history
         self.names = [i.name for i in session.get_inputs()]
         self.template = random_inputs(self.config, rng, past=self.past)
@@ -113,15 +113,7 @@ class Decoder:
     def step(self) -> float:
         feeds = self.feeds()
         if self.way == "shared":
-            binding = self.session.io_binding()
-            for name in self.names:
-                if name in ("past_key", "past_value"):
-                    binding.bind_ortvalue_input(name, self.values[name == "past_value"])
-                else:
-                    binding.bind_cpu_input(name, feeds[name])
-            binding.bind_output("output")
-            binding.bind_ortvalue_output("present_key", self.values[0])
-            binding.bind_ortvalue_output("present_value", self.values[1])
+            binding = sao.bind_shared(self.session, feeds, self.values)
             start = time.perf_counter()
             self.session.run_with_iobinding(binding)
             seconds = time.perf_counter() - start
@@ -187,15 +179,7 @@ def prefill_case(kv_check: str, length: int, args, rng) -> dict:
     values = {n: ort.OrtValue.ortvalue_from_numpy(inputs[n]) for n in ("past_key", "past_value")}
     runs, gpus, phases = [], [], []
     for _ in range(max(3, args.steps // 5)):
-        binding = session.io_binding()
-        for i in session.get_inputs():
-            if i.name in values:
-                binding.bind_ortvalue_input(i.name, values[i.name])
-            else:
-                binding.bind_cpu_input(i.name, inputs[i.name])
-        binding.bind_output("output")
-        binding.bind_ortvalue_output("present_key", values["past_key"])
-        binding.bind_ortvalue_output("present_value", values["past_value"])
+        binding = sao.bind_shared(session, inputs, values)
         start = time.perf_counter()
         session.run_with_iobinding(binding)
         runs.append(time.perf_counter() - start)

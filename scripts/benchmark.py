@@ -56,12 +56,13 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import onnxruntime as ort
 import wgpu
-from bench_common import PHI3_SMALL, median_seconds
+from bench_common import PHI3_SMALL, median_seconds, spot_check
 
+from sparse_attention_op import bind_shared
 from sparse_attention_op.graphs import sparse_attention_model
 from sparse_attention_op.inputs import CaseConfig, random_inputs
 from sparse_attention_op.layouts import causal_mask, mask_to_csr, phi3_small_mask
-from sparse_attention_op.reference import apply_rotary, attend, block_mask
+from sparse_attention_op.reference import block_mask
 from sparse_attention_op.spec import OpAttributes, SparseAttentionError, build_call
 from sparse_attention_op.webgpu import get_executor
 from sparse_attention_op.webgpu.executor import ExecutionSettings
@@ -283,43 +284,13 @@ def run_webgpu(case: Case, inputs: dict, reps: int):
     return [r.stats for r in timed], timed[-1].output, itemsize
 
 
-def spot_check(case: Case, inputs: dict, output: np.ndarray, samples: int = 8) -> float:
-    """Largest error of sampled (token, head) rows of ``output`` against a float64 recomputation."""
-    config = case.config()
-    rng = np.random.default_rng(zlib.crc32(case.label.encode()))
-    s, nh, nkv, h, blk = config.seq_len, config.num_heads, config.kv_num_heads, config.head_size, config.sparse_block_size
-    past = 0 if case.kind == "prefill" else case.length
-    mask = block_mask(inputs["block_row_indices"], inputs["block_col_indices"])
-    cos, sin = inputs["cos_cache"], inputs["sin_cache"]
-    worst = 0.0
-    for _ in range(samples):
-        head, t = int(rng.integers(nh)), int(rng.integers(s))
-        kv = head // (nh // nkv)
-        keys = inputs["past_key"][0, kv, : past + s].astype(np.float64)
-        values = inputs["past_value"][0, kv, : past + s].astype(np.float64)
-        keys[past:] = apply_rotary(inputs["key"][0].reshape(s, nkv, h)[:, kv], past + np.arange(s), cos, sin, False)
-        values[past:] = inputs["value"][0].reshape(s, nkv, h)[:, kv]
-        query = apply_rotary(inputs["query"][0, t : t + 1, head * h : (head + 1) * h], np.array([past + t]), cos, sin, False)
-        want = attend(query, keys, values, np.array([past + t]), mask[head % mask.shape[0]], blk, 1.0 / np.sqrt(h))[0]
-        worst = max(worst, float(np.abs(output[0, t, head * h : (head + 1) * h] - want).max()))
-    return worst
-
-
 def ort_cpu_seconds(case: Case, inputs: dict, reps: int) -> float:
     """ORT's CPU kernel, past and present bound to one buffer (it needs that for in-place presents)."""
     model = sparse_attention_model(case.config().node_attributes(), inputs)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     arrays = {n: np.array(inputs[n]) for n in ("past_key", "past_value")}  # ORT writes the presents into them
     past = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in arrays.items()}  # borrows ``arrays``: keep them alive
-    binding = session.io_binding()
-    for i in session.get_inputs():
-        if i.name in past:
-            binding.bind_ortvalue_input(i.name, past[i.name])
-        else:
-            binding.bind_cpu_input(i.name, inputs[i.name])
-    binding.bind_output("output")
-    binding.bind_ortvalue_output("present_key", past["past_key"])
-    binding.bind_ortvalue_output("present_value", past["past_value"])
+    binding = bind_shared(session, inputs, past)
     return median_seconds(lambda: session.run_with_iobinding(binding), reps)
 
 
@@ -372,7 +343,8 @@ def measure(case: Case, args, baselines: dict) -> Row:
     by the f32 and f16 variants: both compute in float32 either way."""
     inputs = case.inputs()
     stats, output, itemsize = run_webgpu(case, inputs, args.reps)
-    error = spot_check(case, inputs, output)
+    config = case.config()
+    error = spot_check(inputs, output, config.sparse_block_size, 8, np.random.default_rng(zlib.crc32(case.label.encode())))
     density, roofline_s, amount = work(case, inputs, itemsize, args)
     torch_key, ort_key = ("torch", case.kind, case.length), ("ort", case.shape_key)
     if args.torch and torch_key not in baselines:

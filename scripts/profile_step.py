@@ -42,15 +42,7 @@ class Prompter:
         self.values = {n: ort.OrtValue.ortvalue_from_numpy(self.inputs[n]) for n in ("past_key", "past_value")}
 
     def step(self) -> float:
-        binding = self.session.io_binding()
-        for i in self.session.get_inputs():
-            if i.name in self.values:
-                binding.bind_ortvalue_input(i.name, self.values[i.name])
-            else:
-                binding.bind_cpu_input(i.name, self.inputs[i.name])
-        binding.bind_output("output")
-        binding.bind_ortvalue_output("present_key", self.values["past_key"])
-        binding.bind_ortvalue_output("present_value", self.values["past_value"])
+        binding = sao.bind_shared(self.session, self.inputs, self.values)
         start = time.perf_counter()
         self.session.run_with_iobinding(binding)
         return time.perf_counter() - start

@@ -34,10 +34,10 @@ import jinja2
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import PHI3_SMALL  # noqa: E402
+from bench_common import PHI3_SMALL, spot_check  # noqa: E402
 
 from sparse_attention_op.inputs import CaseConfig, random_inputs  # noqa: E402
-from sparse_attention_op.reference import apply_rotary, attend, block_mask  # noqa: E402
+from sparse_attention_op.reference import apply_rotary, block_mask  # noqa: E402
 from sparse_attention_op.spec import OpAttributes, build_call  # noqa: E402
 from sparse_attention_op.webgpu import get_executor, kernels  # noqa: E402
 from sparse_attention_op.webgpu.executor import ExecutionSettings, WebGPUExecutor  # noqa: E402
@@ -146,30 +146,6 @@ def visible_keys(inputs, attrs) -> np.ndarray:
         diagonal = selected[np.arange(s), rows] * (positions - rows * blk + 1)
         counts[head] = earlier + diagonal
     return counts
-
-
-def spot_check(inputs, attrs, output, samples: int, rng) -> float:
-    """Largest error of sampled (batch 0, token, head) rows against a float64 recomputation."""
-    s = inputs["query"].shape[1]
-    nh, nkv, h, blk = attrs["num_heads"], attrs["kv_num_heads"], inputs["past_key"].shape[3], attrs["sparse_block_size"]
-    total = int(inputs["total_sequence_length"][0])
-    past = 0 if total == s else int(inputs["key_total_sequence_lengths"][0]) - s
-    mask = block_mask(inputs["block_row_indices"], inputs["block_col_indices"])
-    scale = 1.0 / np.sqrt(h)
-    cos, sin = inputs["cos_cache"], inputs["sin_cache"]
-    worst = 0.0
-    for _ in range(samples):
-        head, t = int(rng.integers(nh)), int(rng.integers(s))
-        kv = head // (nh // nkv)
-        keys = inputs["past_key"][0, kv, : past + s].astype(np.float64)
-        values = inputs["past_value"][0, kv, : past + s].astype(np.float64)
-        new_k = inputs["key"][0].reshape(s, nkv, h)[:, kv]
-        keys[past:] = apply_rotary(new_k, past + np.arange(s), cos, sin, False)
-        values[past:] = inputs["value"][0].reshape(s, nkv, h)[:, kv]
-        q = apply_rotary(inputs["query"][0, t : t + 1, head * h : (head + 1) * h], np.array([past + t]), cos, sin, False)
-        want = attend(q, keys, values, np.array([past + t]), mask[head % mask.shape[0]], blk, scale)[0]
-        worst = max(worst, float(np.abs(output[0, t, head * h : (head + 1) * h] - want).max()))
-    return worst
 
 
 #: A dispatch that only keeps the GPU busy (an FMA chain per invocation), run before the
@@ -316,7 +292,7 @@ def run_sweep(args) -> int:
                     seconds, output = time_candidate(executor, call, case, args.reps, args.repeats, warm_seconds)
                 finally:
                     executor.release("")
-                error = spot_check(inputs, attrs, output, 8, rng)
+                error = spot_check(inputs, output, attrs["sparse_block_size"], 8, rng)
                 attention = sum(v for k, v in seconds.items() if k != "kv_append")
                 if name not in results or attention < sum(v for k, v in results[name][0].items() if k != "kv_append"):
                     results[name] = (seconds, max(error, results.get(name, ({}, 0.0))[1]))
@@ -365,7 +341,7 @@ def lavapipe_check(args) -> int:
             walls.append(time.perf_counter() - start)
             gpus.append(result.stats.gpu_total)
         candidate.release("")
-        timings.append((name, statistics.median(walls), statistics.median(gpus), spot_check(inputs, attrs, result.output, 8, rng)))
+        timings.append((name, statistics.median(walls), statistics.median(gpus), spot_check(inputs, result.output, attrs["sparse_block_size"], 8, rng)))
 
     # numpy: dense causal attention of the same shape (rotated q and k, every causal pair).
     h, nh, nkv = config.head_size, config.num_heads, config.kv_num_heads

@@ -10,6 +10,7 @@ bridge never touches the GPU and the executor never parses ONNX.
 """
 
 from .bridge import register
+from .io_binding import bind_shared
 from .model import prepare_model
 from .session import SparseAttentionSession, create_session
 from .spec import SparseAttentionError, SparseAttentionInputError
@@ -20,6 +21,7 @@ __all__ = [
     "SparseAttentionError",
     "SparseAttentionInputError",
     "SparseAttentionSession",
+    "bind_shared",
     "create_session",
     "prepare_model",
     "register",

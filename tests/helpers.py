@@ -59,22 +59,13 @@ def run_executor(executor, inputs, attributes, node_key="test", float16_storage=
 
 def run_ort_cpu(model, feeds):
     """ORT's own CPU kernel. It needs past and present bound to one buffer (IO binding)."""
+    from sparse_attention_op import bind_shared
+
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    binding = session.io_binding()
     # ortvalue_from_numpy wraps the array's memory without owning it: keep the arrays alive.
     arrays = {name: np.array(feeds[name], copy=True) for name in ("past_key", "past_value")}
     past = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in arrays.items()}
-    graph_inputs = {i.name for i in session.get_inputs()}
-    for name, value in feeds.items():
-        if name not in graph_inputs:
-            continue
-        if name in past:
-            binding.bind_ortvalue_input(name, past[name])
-        else:
-            binding.bind_cpu_input(name, np.ascontiguousarray(value))
-    binding.bind_output("output")
-    binding.bind_ortvalue_output("present_key", past["past_key"])
-    binding.bind_ortvalue_output("present_value", past["past_value"])
+    binding = bind_shared(session, feeds, past)
     session.run_with_iobinding(binding)
     return binding.copy_outputs_to_cpu()[0], arrays["past_key"], arrays["past_value"]
 

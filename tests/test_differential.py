@@ -58,16 +58,8 @@ def run(session, way, feeds, past):
     if way == "plain":
         output, present_key, present_value = session.run(None, feeds)
         return output, [present_key, present_value]
-    values = [ort.OrtValue.ortvalue_from_numpy(p) for p in past]
-    binding = session.io_binding()
-    for name, value in feeds.items():
-        if name in ("past_key", "past_value"):
-            binding.bind_ortvalue_input(name, values[name == "past_value"])
-        else:
-            binding.bind_cpu_input(name, np.ascontiguousarray(value))
-    binding.bind_output("output")
-    binding.bind_ortvalue_output("present_key", values[0])
-    binding.bind_ortvalue_output("present_value", values[1])
+    values = {name: ort.OrtValue.ortvalue_from_numpy(p) for name, p in zip(("past_key", "past_value"), past)}
+    binding = sao.bind_shared(session, feeds, values)
     session.run_with_iobinding(binding)
     return binding.copy_outputs_to_cpu()[0], past
 

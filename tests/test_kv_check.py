@@ -79,16 +79,8 @@ class Generation:
 
 def run_shared(session, feeds, past):
     """IO binding with present_key/present_value bound to the past's own buffers (in place)."""
-    binding = session.io_binding()
     values = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in zip(("past_key", "past_value"), past)}
-    for name, value in feeds.items():
-        if name in values:
-            binding.bind_ortvalue_input(name, values[name])
-        else:
-            binding.bind_cpu_input(name, np.ascontiguousarray(value))
-    binding.bind_output("output")
-    binding.bind_ortvalue_output("present_key", values["past_key"])
-    binding.bind_ortvalue_output("present_value", values["past_value"])
+    binding = sao.bind_shared(session, feeds, values)
     session.run_with_iobinding(binding)
     return binding.copy_outputs_to_cpu()[0]
 

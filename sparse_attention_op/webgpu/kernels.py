@@ -215,19 +215,24 @@ _LAYOUT_UNIFORMS = (("seq_len", "u32"), ("num_heads", "u32"), ("kv_num_heads", "
                     ("num_layout", "u32"), ("max_blocks", "u32"), ("block_size", "u32"), ("block_shift", "u32"))
 
 
+def _prefill_bindings(cache: CacheFormat) -> tuple[Binding, ...]:
+    """The prefill passes read prepared queries and the cache, and write the output."""
+    return (
+        Binding("prepared_query", VEC4),
+        Binding("key_cache", cache.vec),
+        Binding("value_cache", cache.vec),
+        Binding("row_past", "u32"),
+        Binding("block_plan", "u32"),
+        Binding("output", VEC4, writable=True),
+    )
+
+
 def prefill_tiled(shape: CallShape, tiling: PrefillTiling, cache: CacheFormat, resources: Mapping[str, BufferRange]) -> Dispatch:
     """One workgroup per (query tile, head, batch row); heads along x so that the latest
     (heaviest) tiles of every head are dispatched first."""
     program = Program(
         template="prefill_tiled.wgsl.jinja",
-        bindings=(
-            Binding("prepared_query", VEC4),
-            Binding("key_cache", cache.vec),
-            Binding("value_cache", cache.vec),
-            Binding("row_past", "u32"),
-            Binding("block_plan", "u32"),
-            Binding("output", VEC4, writable=True),
-        ),
+        bindings=_prefill_bindings(cache),
         uniforms=_LAYOUT_UNIFORMS,
         constants=(
             ("head_vec", tiling.head_vec),
@@ -254,14 +259,7 @@ def prefill_rows(shape: CallShape, tuning: Tuning, cache: CacheFormat, resources
     lanes, queries = tuning.rows_shape(shape)
     program = Program(
         template="prefill_rows.wgsl.jinja",
-        bindings=(
-            Binding("prepared_query", VEC4),
-            Binding("key_cache", cache.vec),
-            Binding("value_cache", cache.vec),
-            Binding("row_past", "u32"),
-            Binding("block_plan", "u32"),
-            Binding("output", VEC4, writable=True),
-        ),
+        bindings=_prefill_bindings(cache),
         uniforms=_LAYOUT_UNIFORMS,
         constants=(("head_vec", shape.head_size // 4), ("rows", lanes), ("query_regs", queries)),
     )

@@ -1,0 +1,46 @@
+"""IO binding with past and present on one buffer, the way ORT GenAI runs decoders.
+
+Bound like this, the presents are written into the past's own buffer (in place: native
+ScatterND nodes write only the new rows), and no cache-sized tensor is copied per step.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+import onnxruntime as ort
+
+#: The one-node convention of the operator: present_key is past_key's buffer, and so on.
+DEFAULT_PRESENTS = {"present_key": "past_key", "present_value": "past_value"}
+
+
+def bind_shared(
+    session: ort.InferenceSession,
+    feeds: Mapping[str, np.ndarray],
+    caches: Mapping[str, ort.OrtValue],
+    presents: Mapping[str, str] = DEFAULT_PRESENTS,
+    outputs: tuple[str, ...] = ("output",),
+) -> ort.IOBinding:
+    """An IOBinding for one run: ``caches`` (past input name -> OrtValue) bound as inputs and,
+    through ``presents`` (present output name -> past input name), as the outputs too; every
+    other graph input from ``feeds`` (host arrays); ``outputs`` left for ORT to allocate.
+
+    Run it with ``session.run_with_iobinding(binding)``; ``binding.copy_outputs_to_cpu()``
+    then lists ``outputs`` first, in order. The OrtValues borrow their arrays' memory: keep
+    the arrays alive while they are bound.
+    """
+    binding = session.io_binding()
+    for graph_input in session.get_inputs():
+        name = graph_input.name
+        if name in caches:
+            binding.bind_ortvalue_input(name, caches[name])
+        elif name in feeds:
+            binding.bind_cpu_input(name, np.ascontiguousarray(feeds[name]))
+        else:
+            raise KeyError(f"no feed for graph input '{name}'")
+    for name in outputs:
+        binding.bind_output(name)
+    for present, past in presents.items():
+        binding.bind_ortvalue_output(present, caches[past])
+    return binding
