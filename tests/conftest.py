@@ -4,6 +4,7 @@ A GPU test never skips silently: without an adapter it fails and says why.
 """
 
 import os
+import zlib
 
 import numpy as np
 import pytest
@@ -23,5 +24,18 @@ def executor():
 
 @pytest.fixture
 def rng(request):
-    # A per-test seed, stable across runs, so a failure reproduces.
-    return np.random.default_rng(abs(hash(request.node.nodeid)) % (2**32))
+    # A per-test seed from the test's id: the same in every process (Python's hash() is
+    # salted per process), and shown with the failure so it can be reproduced.
+    seed = zlib.crc32(request.node.nodeid.encode())
+    request.node.user_properties.append(("rng seed", seed))
+    return np.random.default_rng(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for name, value in item.user_properties:
+            if name == "rng seed":
+                report.sections.append(("rng seed", f"np.random.default_rng({value})  # {item.nodeid}"))

@@ -113,14 +113,16 @@ def test_key_without_value_is_refused(rng):
 
 
 def test_register_is_idempotent():
+    from sparse_attention_op import bridge
+
     sao.register()
+    registered = dict(bridge._array_ops)
     sao.register()
+    assert bridge._array_ops == registered, "a second register() must not define the ops again"
+    assert {op.opdef.op_type for op in registered.values()} >= {f"{bridge.BRIDGE_DOMAIN}::{name}" for name in (bridge.PLAN_OP, bridge.CHECK_OP, bridge.KERNEL_OP)}
 
 
 # -- sessions (GPU) -------------------------------------------------------------------------
-pytestmark_gpu = pytest.mark.gpu
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("source", ["proto", "bytes", "path"])
 def test_create_session_runs_on_webgpu(executor, rng, tmp_path, source):
