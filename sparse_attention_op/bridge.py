@@ -184,7 +184,7 @@ _described: dict[tuple, CallShape] = {}
 
 def _describe(info: NodeInfo, shape_arrays, total, key_totals) -> CallShape:
     """describe_call, remembered: the three ops of one node see the same shapes and lengths."""
-    key = (info.attributes, tuple(tuple(a.tolist()) for a in shape_arrays), total.tobytes(), total.shape, key_totals.tobytes(), key_totals.shape)
+    key = (info.attributes, tuple(a.tobytes() for a in shape_arrays), total.tobytes(), total.shape, key_totals.tobytes(), key_totals.shape)
     shape = _described.get(key)
     if shape is None:
         shape = describe_call(info.attributes, _shapes(shape_arrays), total, key_totals)

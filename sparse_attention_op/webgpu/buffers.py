@@ -6,7 +6,7 @@ Measured (docs/design.md section 3; ``scripts/measure_platform.py``):
   small inputs packed into one write. For large ones wgpu allocates a fresh staging buffer
   per write, which a VM faults in page by page; a staging buffer we keep mapped between
   calls and fill with parallel copies avoids that.
-* Reading back through our own MAP_READ buffer avoids ``queue.read_buffer``'s per-call
+* Reading back through our own MAP_READ buffer avoids the queue's read helper's per-call
   allocation and submit. Mapping with ``READ_NOSYNC`` skips the empty submit wgpu-py
   otherwise adds before every read map (the call's own submit already did the job).
 
