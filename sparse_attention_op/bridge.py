@@ -34,6 +34,7 @@ Facts about the bridge that shape this module (measured, docs/design.md):
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from dataclasses import dataclass
@@ -206,6 +207,16 @@ def _settings(info: NodeInfo):
     return records.settings(info.token) or ExecutionSettings()
 
 
+@functools.lru_cache(maxsize=64)
+def _probes(info: NodeInfo, shape: CallShape) -> tuple[int, np.ndarray]:
+    """The fast check's rows per chunk and probe chunks: computed once for the plan op and the
+    check op of one call (they see the same node and shape)."""
+    chunk_rows = _executor().chunk_rows(shape, info.float16_storage, _settings(info))
+    probes = probe_chunks(shape.past_lengths, chunk_rows, shape.total_sequence_length)
+    probes.flags.writeable = False
+    return chunk_rows, probes
+
+
 # -- the three ops ------------------------------------------------------------------------
 def plan_op(*inputs, **attributes):
     """Shapes and lengths -> probe row indices, the new tokens' rotary rows, how many layouts cross,
@@ -216,8 +227,7 @@ def plan_op(*inputs, **attributes):
     shape_arrays, (total, key_totals) = inputs[: len(SHAPED_INPUTS)], inputs[len(SHAPED_INPUTS) :]
     shape = _describe(info, shape_arrays, total, key_totals)
     if info.kv_check == "fast" and not shape.is_prompt:
-        chunk_rows = _executor().chunk_rows(shape, info.float16_storage, _settings(info))
-        probes = probe_chunks(shape.past_lengths, chunk_rows, shape.total_sequence_length)
+        chunk_rows, probes = _probes(info, shape)
         rows = probe_row_indices(probes, chunk_rows, shape.attributes.kv_num_heads, shape.max_cache_len)
     else:
         rows = np.zeros(0, np.int64)
@@ -251,8 +261,7 @@ def check_op(probe_key, probe_value, *inputs, **attributes):
         return (np.zeros(1, np.int64),)
     if info.kv_check == "fast":
         executor, settings = _executor(), _settings(info)
-        chunk_rows = executor.chunk_rows(shape, info.float16_storage, settings)
-        probes = probe_chunks(shape.past_lengths, chunk_rows, shape.total_sequence_length)
+        chunk_rows, probes = _probes(info, shape)
         b, heads, _, h = shape.cache_shape
         rows = (b, heads, probes.shape[1] * chunk_rows, h)
         if probe_key.size == np.prod(rows) and executor.cache_holds(

@@ -182,9 +182,10 @@ class CallShape:
         return max(self.past_lengths)
 
     @property
-    def end_rows(self) -> tuple[int, ...]:
-        """Per batch row, how many cache rows are history after this call."""
-        return self.key_totals
+    def rows_written(self) -> int:
+        """Cache rows per batch row this call needs: every row's history plus its new tokens
+        (a prompt's padding rows too, up to seq_len)."""
+        return max(max(self.key_totals), self.history_rows + self.seq_len)
 
     @property
     def token_positions(self) -> np.ndarray:

@@ -263,7 +263,7 @@ class WebGPUExecutor:
     def _check_limits(self, shape: CallShape, dtype) -> None:
         """Refuse, before any GPU work, a call whose buffers or dispatch the adapter cannot hold."""
         limit = self.context.max_binding_bytes
-        rows = min(shape.max_cache_len, max(max(shape.key_totals), shape.seq_len + shape.history_rows))
+        rows = min(shape.max_cache_len, shape.rows_written)
         sizes = {
             "past_key": shape.batch_size * shape.attributes.kv_num_heads * rows * shape.head_size * np.dtype(dtype).itemsize,
             "query": int(np.prod((shape.batch_size, shape.seq_len, shape.query_hidden))) * 4,
@@ -294,7 +294,7 @@ class WebGPUExecutor:
         stats = CallStats()
 
         # 1. The resident cache: room for this call's rows, then what it lacks of the past.
-        cache.reserve(max(max(shape.key_totals), max(shape.past_lengths) + shape.seq_len))
+        cache.reserve(shape.rows_written)
         upload = Upload()
         if call.has_history:
             plans = record.sync(shape.past_lengths, call.history_key, call.history_value)
@@ -368,7 +368,9 @@ class WebGPUExecutor:
         # 4. The record learns the rows this call wrote.
         tick = time.perf_counter()
         keys = new_key if new_key is not None else call.new_rows("key")
-        record.append(shape.past_lengths, shape.end_rows, keys, call.new_rows("value"))
+        # After the call each row's history ends at its key total (a prompt's padding rows
+        # reach the cache, but are not history).
+        record.append(shape.past_lengths, shape.key_totals, keys, call.new_rows("value"))
         phases["record"] = time.perf_counter() - tick
 
         stats.upload_bytes = upload.nbytes
