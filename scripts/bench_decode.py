@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import onnxruntime as ort
 
-from bench_common import PHI3_SMALL, identity_floor_session, median_seconds
+from sparse_attention_op.benchmarking.common import PHI3_SMALL, identity_floor_session, median_seconds
 
 import sparse_attention_op as sao
 from sparse_attention_op.graphs import sparse_attention_model

@@ -24,7 +24,7 @@ import time
 
 import onnxruntime as ort
 
-from bench_common import PHI3_SMALL
+from sparse_attention_op.benchmarking.common import PHI3_SMALL
 from bench_decode import Decoder, model_for, node_stats
 
 import sparse_attention_op as sao

@@ -5,7 +5,7 @@
     python scripts/tune_kernels.py --quick             # lavapipe: the same sweep at small shapes
     python scripts/tune_kernels.py --lavapipe-check    # sparse prefill 2048 (~20% of causal pairs) vs numpy dense causal
 
-Shape (scripts/bench_common.py PHI3_SMALL): 32 query heads over 8 kv heads, head size 128,
+Shape (sparse_attention_op/benchmarking/common.py PHI3_SMALL): 32 query heads over 8 kv heads, head size 128,
 64-token blocks, 16 local blocks, vertical stride 8 over 32 layouts, rotary, batch 1, float32.
 
 Every candidate is a :class:`~sparse_attention_op.webgpu.tuning.Tuning` (the adapter's own,
@@ -34,7 +34,7 @@ import jinja2
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import PHI3_SMALL, spot_check  # noqa: E402
+from sparse_attention_op.benchmarking.common import PHI3_SMALL, spot_check  # noqa: E402
 
 from sparse_attention_op.inputs import CaseConfig, random_inputs  # noqa: E402
 from sparse_attention_op.reference import apply_rotary, block_mask  # noqa: E402

@@ -10,6 +10,7 @@ bridge never touches the GPU and the executor never parses ONNX.
 """
 
 from .bridge import register
+from .genai import load_genai_model, prepare_genai_folder
 from .io_binding import bind_shared
 from .model import prepare_model
 from .session import SparseAttentionSession, create_session
@@ -23,6 +24,8 @@ __all__ = [
     "SparseAttentionSession",
     "bind_shared",
     "create_session",
+    "load_genai_model",
+    "prepare_genai_folder",
     "prepare_model",
     "register",
 ]

@@ -1,4 +1,9 @@
-"""Command line: ``python -m sparse_attention_op {adapters,demo,export-demo}``."""
+"""sparse-attention-op: run ONNX models with com.microsoft.SparseAttention on WebGPU.
+
+MODEL is an .onnx file or an ORT GenAI model folder (its genai_config.json names the decoder).
+Every command exits 0 on success and 1 with one line on stderr on failure (2 for a usage
+mistake); --traceback shows the whole Python traceback instead.
+"""
 
 from __future__ import annotations
 
@@ -6,58 +11,150 @@ import argparse
 import sys
 from pathlib import Path
 
+from . import commands
 
-def _adapters(args) -> int:
-    from .webgpu.device import describe, list_adapters
-
-    adapters = list_adapters()
-    if args.native:
-        # OpenGL adapters lack what the kernels need (storage limits, compute robustness).
-        adapters = [a for a in adapters if a.info.get("backend_type") != "OpenGL"]
-    if not adapters:
-        print("no wgpu adapter found" + (" on a native backend (Vulkan, Metal, D3D12)" if args.native else ""), file=sys.stderr)
-        return 1
-    for adapter in adapters:
-        print(describe(adapter))
-    return 0
+EPILOG = """examples:
+  sparse-attention-op info
+  sparse-attention-op inspect models/phi3-small-tiny
+  sparse-attention-op run models/phi3-small-tiny --batch 2 --seq 40 --compare-ort
+  sparse-attention-op generate models/phi3-small-tiny --prompt-ids 5,17,33 --max-new-tokens 32 --compare-ort --json out.json
+  sparse-attention-op bench --quick --ort --plot quick.png
+  sparse-attention-op export decoder my-model --layers 6 --dtype float16
+"""
 
 
-def _demo(args) -> int:
-    from .demo import run_demo
+def _token_ids(text: str) -> list[int]:
+    """``5,17,33`` -> [5, 17, 33]."""
+    try:
+        ids = [int(part) for part in text.replace(" ", "").split(",") if part != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids such as 5,17,33, got {text!r}") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected non-negative comma-separated token ids such as 5,17,33, got {text!r}")
+    return ids
 
-    reports = run_demo(args.model, prompt_len=args.prompt, decode_steps=args.steps)
-    return 0 if max(r.max_error for r in reports) < 2e-3 else 1
+
+def _dim(text: str) -> tuple[str, int]:
+    """``batch_size=2`` -> ("batch_size", 2)."""
+    name, _, size = text.partition("=")
+    try:
+        return name, int(size)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected NAME=SIZE such as total_sequence_length=64, got {text!r}") from None
 
 
-def _export_demo(args) -> int:
-    import onnx
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
-    from .demo import build_demo_model
 
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(build_demo_model(), str(args.output))
-    print(f"wrote {args.output}")
-    return 0
+def build_parser() -> argparse.ArgumentParser:
+    from .benchmarking import sweep
+    from .demo import DEFAULT_MODEL
+    from .exporting import add_decoder_options, add_graph_options
+
+    parser = argparse.ArgumentParser(prog="sparse-attention-op", description=__doc__, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--traceback", action="store_true", help="on failure, print the whole traceback instead of one line")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, function, help_text: str, **kwargs) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text, **kwargs)
+        p.set_defaults(func=function, subparser=p)
+        return p
+
+    p = command("info", commands.info, "versions, wgpu adapters, and the chosen adapter's features, limits and tuning")
+    p.add_argument("--json", metavar="OUT", help="write the report as JSON to OUT ('-': stdout)")
+
+    p = command("inspect", commands.inspect, "SparseAttention nodes, their attributes and inputs, layout densities, what runs where")
+    p.add_argument("model", metavar="MODEL", help="an .onnx file or an ORT GenAI model folder")
+    p.add_argument("--json", metavar="OUT", help="write the report as JSON to OUT ('-': stdout)")
+
+    p = command("run", commands.run, "run MODEL once on WebGPU with random (or given) feeds and report every output")
+    p.add_argument("model", metavar="MODEL", help="an .onnx file or an ORT GenAI model folder")
+    p.add_argument("--feeds", type=Path, metavar="X.npz", help="feeds by graph input name (np.savez); default: random, unit scale")
+    p.add_argument("--compare-ort", action="store_true", help="also run ONNX Runtime's own CPU kernels and compare every output")
+    p.add_argument("--batch", type=_positive, default=1, help="rows of random feeds (default %(default)s)")
+    p.add_argument("--seq", type=_positive, default=8, help="new tokens per row (default %(default)s)")
+    p.add_argument("--past", type=int, default=0, help="history rows before them (default %(default)s: a prompt)")
+    p.add_argument("--capacity", type=int, default=None, help="rows of each KV cache input (default: past + seq)")
+    p.add_argument("--head-size", type=int, default=None, help="head size, for inputs that declare no shape")
+    p.add_argument("--dim", type=_dim, action="append", default=[], metavar="NAME=SIZE", help="size of a symbolic dim (repeatable)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random feeds (default %(default)s)")
+    p.add_argument("--kv-check", choices=["exact", "fast"], default="exact", help="the cache check (default %(default)s)")
+    p.add_argument("--repeat", type=_positive, default=1, help="runs to time (default %(default)s; the first compiles kernels)")
+    p.add_argument("--save", type=Path, metavar="OUT.npz", help="write the outputs")
+
+    p = command("generate", commands.generate, "generate tokens from prompt ids with a GenAI-convention decoder (shared KV buffers)")
+    p.add_argument("model", metavar="MODEL", help="an .onnx file or an ORT GenAI model folder")
+    p.add_argument("--prompt-ids", type=_token_ids, action="append", required=True, metavar="IDS",
+                   help="one prompt as comma-separated token ids; repeat for a batch (rows may differ in length)")
+    p.add_argument("--max-new-tokens", type=_positive, default=32, help="new tokens per row at most (default %(default)s)")
+    p.add_argument("--compare-ort", action="store_true", help="check the tokens against ONNX Runtime's own CPU kernels (exit 1 if they differ)")
+    p.add_argument("--json", metavar="OUT", help='write {"tokens": [[new ids per row]], "ms_per_token": x} to OUT (\'-\': stdout)')
+    p.add_argument("--stop-ids", type=_token_ids, default=None, metavar="IDS",
+                   help="a row stops after emitting one of these (default: a GenAI folder's eos_token_id; none for a bare .onnx)")
+    p.add_argument("--no-stop", action="store_true", help="never stop before --max-new-tokens")
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy argmax")
+    p.add_argument("--temperature", type=float, default=1.0, help="with --sample (default %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="with --sample: keep the k likeliest tokens (default 0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --sample: nucleus mass (default %(default)s)")
+    p.add_argument("--seed", type=int, default=None, help="with --sample: seed of the draws")
+    p.add_argument("--capacity", type=int, default=None, help="rows of each KV buffer (default: longest prompt + max new tokens)")
+    p.add_argument("--kv-check", choices=["exact", "fast"], default="fast", help="the cache check (default %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    p = command("bench", commands.bench, "the benchmark sweep (prefill and decode against torch and ORT CPU), with a PNG plot",
+                epilog=sweep.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sweep.build_parser(p)
+
+    p = command("export", None, "write test graphs and small decoders")
+    exports = p.add_subparsers(dest="what", required=True, metavar="WHAT")
+    graph = exports.add_parser("graph", help="a one-node SparseAttention graph, and random feeds for it (--inputs)",
+                               description="a one-node SparseAttention graph (the layout as initializers), and random feeds for it")
+    add_graph_options(graph)
+    graph.set_defaults(func=commands.export_graph)
+    decoder = exports.add_parser("decoder", help="an ORT GenAI model folder with a small Phi-3-small-style decoder",
+                                 description="an ORT GenAI model folder (model.onnx, genai_config.json) with a decoder "
+                                             "like those in models/, fields overridable")
+    add_decoder_options(decoder)
+    decoder.set_defaults(func=commands.export_decoder)
+    demo_model = exports.add_parser("demo", help="the one-block demo model (models/demo_decoder_attention.onnx)")
+    demo_model.add_argument("output", type=Path, nargs="?", default=DEFAULT_MODEL)
+    demo_model.set_defaults(func=commands.export_demo)
+
+    p = command("adapters", commands.adapters, "list the wgpu adapters, best first (exit 1 if none)")
+    p.add_argument("--native", action="store_true", help="only Vulkan, Metal and D3D12 adapters count")
+
+    p = command("demo", commands.demo, "generate with the bundled multi-layer decoder on WebGPU, checked against ORT CPU and the reference")
+    p.add_argument("--model", type=Path, default=None, help="a GenAI model folder (default: models/phi3-small-tiny)")
+    p.add_argument("--prompt", type=_positive, default=40, help="the longer prompt's length (default %(default)s)")
+    p.add_argument("--steps", type=_positive, default=24, help="new tokens per row (default %(default)s)")
+    return parser
 
 
 def main(argv=None) -> int:
-    from .demo import DEFAULT_MODEL
-
-    parser = argparse.ArgumentParser(prog="sparse-attention-op", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    adapters = commands.add_parser("adapters", help="list the wgpu adapters, best first (exit 1 if none)")
-    adapters.add_argument("--native", action="store_true", help="only Vulkan, Metal and D3D12 adapters count")
-    adapters.set_defaults(func=_adapters)
-    demo = commands.add_parser("demo", help="run the bundled model on WebGPU and check it against the reference")
-    demo.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="demo model (built in memory if the file is missing)")
-    demo.add_argument("--prompt", type=int, default=48, help="prompt length (at most the model's cache length)")
-    demo.add_argument("--steps", type=int, default=16, help="decode steps after the prompt")
-    demo.set_defaults(func=_demo)
-    export = commands.add_parser("export-demo", help="write the demo model")
-    export.add_argument("output", type=Path, nargs="?", default=DEFAULT_MODEL)
-    export.set_defaults(func=_export_demo)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
     args = parser.parse_args(argv)
-    return args.func(args)
+    if args.command == "bench":
+        from .benchmarking import sweep
+
+        sweep.resolve_args(args, args.subparser)
+        args.argv = argv[argv.index("bench") + 1:]
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("sparse-attention-op: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:  # every failure: one line, exit 1
+        if args.traceback:
+            raise
+        message = " ".join(str(error).split()) or type(error).__name__
+        print(f"sparse-attention-op {args.command}: error: {message}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

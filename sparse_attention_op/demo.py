@@ -9,7 +9,7 @@ against the float64 reference.
 
 from __future__ import annotations
 
-import time
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +24,8 @@ from .reference import sparse_attention_reference
 from .spec import DOMAIN, OP_TYPE
 
 DEFAULT_MODEL = Path("models") / "demo_decoder_attention.onnx"
+#: What ``make demo`` runs: the bundled multi-layer decoder (scripts/build_models.py).
+DEMO_FOLDER = Path("models") / "phi3-small-tiny"
 
 
 @dataclass(frozen=True)
@@ -105,62 +107,72 @@ def reference_step(model: onnx.ModelProto, feeds: dict) -> tuple[np.ndarray, np.
     return attention @ weights["w_out"], present_key, present_value
 
 
-@dataclass
-class StepReport:
-    name: str
-    seconds: float
-    max_error: float
+def run_demo(folder: Path | None = None, prompt_len: int = 40, steps: int = 24, printer=print) -> bool:
+    """``make demo``: the bundled multi-layer decoder (models/phi3-small-tiny) on WebGPU.
 
+    A padded two-row prompt (the second row 13 tokens shorter), checked against the float64
+    reference (prompt logits at every real token), then greedy generation on shared KV
+    buffers, checked token for token against ONNX Runtime's own CPU kernels (row by row:
+    they get rows of different lengths wrong, docs/design.md section 1). True when both agree.
+    """
+    import onnxruntime as ort
 
-def run_demo(model_path: Path | None = None, prompt_len: int = 48, decode_steps: int = 16, printer=print) -> list[StepReport]:
     import sparse_attention_op as sao
+    from .decoder_models import BUNDLED_MODELS, decoder_reference, write_model_folder
+    from .generation import generate
+    from .model_files import load, resolve
     from .webgpu import get_context
 
-    model = onnx.load(str(model_path)) if model_path and Path(model_path).is_file() else build_demo_model()
-    hidden = model.graph.input[0].type.tensor_type.shape.dim[2].dim_value
-    cache_dims = [d.dim_value for d in model.graph.input[1].type.tensor_type.shape.dim]
-    context = get_context()
-    printer(f"adapter: {context.description}")
-    session = sao.create_session(model)
+    folder = Path(folder) if folder is not None else DEMO_FOLDER
+    if not (folder / "genai_config.json").is_file() and folder == DEMO_FOLDER:
+        folder = write_model_folder(BUNDLED_MODELS[DEMO_FOLDER.name], Path(tempfile.mkdtemp()) / DEMO_FOLDER.name).parent
+    files = resolve(folder)
+    model = load(files)
+    config = files.genai_config["model"]
+    vocab, context_length = config["vocab_size"], config["context_length"]
+    if prompt_len < 14 or prompt_len + steps > context_length:
+        raise ValueError(f"prompt_len must be >= 14 and prompt_len + steps <= {context_length}, got {prompt_len} and {steps}")
+    printer(f"adapter: {get_context().description}")
+    decoder = files.decoder_config
+    printer(f"model: {files.onnx_path} ({decoder['num_hidden_layers']} layers, {decoder['num_attention_heads']} heads over "
+            f"{decoder['num_key_value_heads']}, head size {decoder['head_size']}, vocab {vocab}; SparseAttention with every "
+            "second layer GroupQueryAttention, as in Phi-3-small)")
     rng = np.random.default_rng(0)
-    batch, lengths = 2, np.array([prompt_len, prompt_len - 11], dtype=np.int32)  # row 1 is padded
-    cache_shape = (batch, cache_dims[1], cache_dims[2], cache_dims[3])
-    feeds = {
-        "hidden_states": rng.standard_normal((batch, prompt_len, hidden), dtype=np.float32),
-        "past_key": np.zeros(cache_shape, np.float32),
-        "past_value": np.zeros(cache_shape, np.float32),
-        "total_sequence_length": np.array([prompt_len], np.int32),
-        "key_total_sequence_lengths": lengths,
-    }
-    printer(f"model: {model.graph.name}, hidden {hidden}, cache {cache_shape}, prompt {prompt_len} tokens (row 1 padded to it), {decode_steps} decode steps")
-    reports = []
-    for step in range(decode_steps + 1):
-        start = time.perf_counter()
-        output, present_key, present_value = session.run(None, feeds)
-        seconds = time.perf_counter() - start
-        expected = reference_step(model, feeds)
-        # Padding rows of the prompt are not compared: their output is never used.
-        valid = [slice(None)] * batch if step else [slice(0, int(n)) for n in lengths]
-        error = max(float(np.abs(output[b, valid[b]] - expected[0][b, valid[b]]).max()) for b in range(batch))
-        for got, want in ((present_key, expected[1]), (present_value, expected[2])):
-            for b in range(batch):
-                live = int(feeds["key_total_sequence_lengths"][b])
-                error = max(error, float(np.abs(got[b, :, :live] - want[b, :, :live]).max()))
-        reports.append(StepReport("prompt" if step == 0 else f"decode {step}", seconds, error))
-        # Next step: one new token per row, after everything the row holds now.
-        key_totals = (feeds["key_total_sequence_lengths"] + 1).astype(np.int32)
-        feeds = {
-            "hidden_states": rng.standard_normal((batch, 1, hidden), dtype=np.float32),
-            "past_key": present_key,
-            "past_value": present_value,
-            "total_sequence_length": np.array([key_totals.max()], np.int32),
-            "key_total_sequence_lengths": key_totals,
-        }
-    prompt, decodes = reports[0], reports[1:]
-    worst = max(r.max_error for r in reports)
-    printer(f"prompt: {prompt.seconds * 1e3:.1f} ms (first call includes shader compilation), max |error| {prompt.max_error:.2e}")
-    if decodes:
-        steady = sorted(r.seconds for r in decodes[1:]) or [decodes[0].seconds]
-        printer(f"decode: {len(decodes)} steps, median {steady[len(steady) // 2] * 1e3:.2f} ms/step, max |error| {max(r.max_error for r in decodes):.2e}")
-    printer(f"largest error against the float64 reference: {worst:.2e} ({'OK' if worst < 2e-3 else 'TOO LARGE'}, bound 2e-3)")
-    return reports
+    lengths = [prompt_len, prompt_len - 13]
+    prompts = [rng.integers(2, vocab, n).tolist() for n in lengths]
+    printer(f"prompt: 2 rows of {lengths[0]} and {lengths[1]} tokens (the second right-padded), then {steps} new tokens per row")
+
+    session = sao.create_session(model, kv_check="fast")
+    ids = np.zeros((2, lengths[0]), np.int64)
+    for b, row in enumerate(prompts):
+        ids[b, : len(row)] = row
+    mask = (np.arange(lengths[0])[None, :] < np.array(lengths)[:, None]).astype(np.int64)
+    feeds = {"input_ids": ids, "attention_mask": mask}
+    cache_dtype = _cache_dtype(model)
+    for past in session.get_inputs():
+        if past.name.startswith("past_key_values."):  # [batch, kv_heads, rows, head_size]: empty caches of the prompt's rows
+            feeds[past.name] = np.zeros((2, past.shape[1], lengths[0], past.shape[3]), cache_dtype)
+    logits = session.run(["logits"], feeds)[0].astype(np.float64)
+    expected = decoder_reference(model, ids, lengths)
+    error = max(float(np.abs(logits[b, :n] - expected[b, :n]).max()) for b, n in enumerate(lengths))
+    bound = 5e-2 if cache_dtype == np.float16 else 2e-3
+    scale = float(np.abs(expected).max())
+    reference_ok = error <= bound * max(1.0, scale)
+    printer(f"prompt logits against the float64 reference: max |error| {error:.2e} (logits up to {scale:.1f}; "
+            f"{'OK' if reference_ok else 'TOO LARGE'}, bound {bound:g} x max(1, |logits|))")
+
+    result = generate(session, prompts, steps)
+    for b, tokens in enumerate(result.tokens):
+        printer(f"row {b}: {', '.join(map(str, tokens))}")
+    printer(f"decode: {result.ms_per_token:.2f} ms per step for both rows, {result.tokens_per_second:.0f} tokens/s "
+            f"(prompt {1e3 * result.prompt_seconds:.0f} ms)")
+    plain = ort.InferenceSession(str(files.onnx_path), providers=["CPUExecutionProvider"])
+    theirs = [generate(plain, [prompt], steps).tokens[0] for prompt in prompts]
+    same = theirs == result.tokens
+    printer("ONNX Runtime's own CPU kernel, row by row: " + ("identical tokens" if same else f"DIFFERENT tokens: {theirs}"))
+    return reference_ok and same
+
+
+def _cache_dtype(model: onnx.ModelProto):
+    past = next(i for i in model.graph.input if i.name.startswith("past_key_values."))
+    return helper.tensor_dtype_to_np_dtype(past.type.tensor_type.elem_type)

@@ -1,0 +1,289 @@
+"""The command line's commands (cli.py parses; each function here runs one and returns its exit code).
+
+Output goes to stdout; notes and progress to stderr. A failure raises: cli.main turns any
+exception into one line on stderr and exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .text_tables import format_number, format_table
+
+#: Largest |ours - ORT| / max(1, max |ORT|) accepted by ``run --compare-ort``, per output
+#: dtype: float32 computes both in float32; float16 models round every op's output to
+#: float16 in ORT's kernels, and the op computes attention in float32 before its cast.
+COMPARE_TOLERANCE = {"float32": 1e-3, "float16": 2e-2}
+
+
+def info(args: argparse.Namespace) -> int:
+    from .system_info import adapter_summaries, chosen_adapter, versions
+
+    report = {"versions": versions(), "adapters": adapter_summaries()}
+    report["chosen"] = chosen_adapter() if report["adapters"] else None
+    if args.json:
+        _write_json(report, args.json)
+        return 0 if report["chosen"] else 1
+    print(format_table(["package", "version"], list(report["versions"].items())))
+    print("\nadapters (best first; SPARSE_ATTENTION_OP_ADAPTER picks another):")
+    if not report["adapters"]:
+        print("  none: install a Vulkan driver (make setup installs Mesa's lavapipe)")
+        return 1
+    print(format_table(["#", "adapter", "vendor", "driver"], [[i, a["description"], a["vendor"], a["driver"]] for i, a in enumerate(report["adapters"])], "  "))
+    chosen = report["chosen"]
+    print(f"\nchosen: {chosen['description']}")
+    print("features: " + ", ".join(f"{name} {'yes' if present else 'no'}" for name, present in chosen["features"].items()))
+    print("limits:\n" + format_table(["limit", "value"], list(chosen["limits"].items()), "  "))
+    print("tuning (webgpu/tuning.py):\n" + format_table(["tunable", "value"], [[k, v] for k, v in chosen["tuning"].items()], "  "))
+    print("routes at Phi-3-small's shape:\n" + format_table(["call", "pass"], list(chosen["routes"].items()), "  "))
+    return 0
+
+
+def inspect(args: argparse.Namespace) -> int:
+    from . import model_files
+    from .inspection import format_report, inspect_model
+
+    files = model_files.resolve(args.model)
+    report = inspect_model(model_files.load(files, with_weights=False), files)
+    if args.json:
+        _write_json(report.to_dict(), args.json)
+    else:
+        print(format_report(report))
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """One run of the model on WebGPU with random or given feeds; optionally against ORT CPU."""
+    from . import model_files
+    from .feeds import FeedSettings, check_feeds, history_lengths, random_feeds, ragged_rows
+    from .ort_cpu import run_plain_ort, shared_pairs
+    from .session import create_session
+
+    files = model_files.resolve(args.model)
+    model = model_files.load(files)
+    if args.feeds:
+        with np.load(args.feeds) as archive:
+            feeds = check_feeds(model, {name: archive[name] for name in archive.files}, str(args.feeds))
+        notes = []
+    else:
+        settings = FeedSettings(batch=args.batch, seq=args.seq, past=args.past, capacity=args.capacity,
+                                head_size=args.head_size, dims=dict(args.dim), seed=args.seed)
+        feeds, notes = random_feeds(model, settings, (files.genai_config or {}).get("model", {}).get("vocab_size"))
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    session = create_session(model, kv_check=args.kv_check)
+    names = [o.name for o in session.get_outputs()]
+    seconds = []
+    for _ in range(args.repeat):
+        start = time.perf_counter()
+        outputs = dict(zip(names, session.run(None, feeds)))
+        seconds.append(time.perf_counter() - start)
+    reference = None
+    if args.compare_ort:
+        reference = run_plain_ort(model, feeds)
+    print(f"model: {files.onnx_path}")
+    print("feeds: " + ", ".join(f"{name} {list(np.shape(value))} {np.asarray(value).dtype}" for name, value in feeds.items()))
+    timing = f"{1e3 * seconds[0]:.2f} ms" + (f" first, {1e3 * float(np.median(seconds[1:])):.2f} ms median of the other {len(seconds) - 1}" if len(seconds) > 1 else "")
+    print(f"session.run on WebGPU: {timing} (the first run compiles the kernels)\n")
+    header = ["output", "shape", "dtype", "max |x|", "NaN/inf"]
+    if reference is not None:
+        header += ["max |ours - ORT CPU|", "relative", "agrees"]
+    rows, failed = [], []
+    ragged = ragged_rows(feeds)
+    presents = set(shared_pairs(model))
+    lengths = history_lengths(feeds)
+    for name in names:
+        value = outputs[name]
+        if name in presents and lengths is not None and value.ndim == 4:
+            # Rows past each batch row's history are junk by contract: only history is compared.
+            value = np.concatenate([value[b, :, :n].reshape(-1) for b, n in enumerate(lengths)])
+        finite = np.isfinite(value.astype(np.float64))
+        row = [name, list(outputs[name].shape), value.dtype, format_number(float(np.abs(value[finite]).max(initial=0))), int((~finite).sum())]
+        if not finite.all():
+            failed.append(f"{name} holds NaN or inf")
+        if reference is not None:
+            expected = reference[name]
+            if name in presents and lengths is not None and expected.ndim == 4:
+                expected = np.concatenate([expected[b, :, :n].reshape(-1) for b, n in enumerate(lengths)])
+            error = float(np.abs(value.astype(np.float64) - expected.astype(np.float64)).max(initial=0))
+            relative = error / max(1.0, float(np.abs(expected.astype(np.float64)).max(initial=0)))
+            agrees = relative <= COMPARE_TOLERANCE.get(str(value.dtype), 1e-3)
+            row += [format_number(error), format_number(relative), "yes" if agrees else ("expected no (ragged rows)" if ragged else "NO")]
+            if not agrees and not ragged:
+                failed.append(f"{name} differs from ORT CPU by {relative:.3g} (relative), above {COMPARE_TOLERANCE.get(str(value.dtype), 1e-3)}")
+        rows.append(row)
+    print(format_table(header, rows))
+    if lengths is not None and presents:
+        print("\npresents: only each row's history rows are summarised and compared (the rest are junk by contract)")
+    if reference is not None and ragged:
+        print("\nnote: the feeds' rows have different lengths; ORT's own CPU kernel gets those wrong (docs/design.md section 1),"
+              " so differences there are expected", file=sys.stderr)
+    if args.save:
+        np.savez(args.save, **outputs)
+        print(f"\nwrote {args.save}")
+    if failed:
+        raise RuntimeError("; ".join(failed))
+    return 0
+
+
+def generate(args: argparse.Namespace) -> int:
+    """Greedy or sampled generation from the given prompt ids; optionally against ORT CPU."""
+    from . import model_files
+    from .generation import Divergence, Sampling, first_divergence, generate as generate_tokens
+    from .session import create_session
+
+    files = model_files.resolve(args.model)
+    prompts = args.prompt_ids
+    stops = _stop_tokens(args, files)
+    sampling = Sampling(do_sample=args.sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    session = create_session(model_files.load(files), kv_check=args.kv_check)
+    options = dict(stop_tokens=stops, pad_token_id=_pad_token(files), sampling=sampling, capacity=args.capacity)
+    with _StepProgress(args.max_new_tokens, not args.no_progress) as progress:
+        result = generate_tokens(session, prompts, args.max_new_tokens, on_step=progress.step, **options)
+    document = {"tokens": result.tokens, "ms_per_token": result.ms_per_token}
+    print(f"model: {files.onnx_path}")
+    for b, (prompt, tokens) in enumerate(zip(prompts, result.tokens)):
+        print(f"row {b}: prompt {','.join(map(str, prompt))} -> {','.join(map(str, tokens))} ({result.finish_reasons[b]})")
+    print(f"{result.ms_per_token:.2f} ms per token (decode step), {result.tokens_per_second:.1f} tokens/s over "
+          f"{len(prompts)} row(s); prompt {1e3 * result.prompt_seconds:.1f} ms (includes compiling the kernels)")
+    divergence = None
+    if args.compare_ort:
+        plain, reference = _ort_tokens(files, prompts, args.max_new_tokens, options)
+        document["ort_cpu_tokens"] = reference
+        if not args.sample:
+            divergence = first_divergence(plain, prompts, result.tokens, reference)
+        elif reference != result.tokens:
+            divergence = "sampled tokens differ (the draws are seeded alike; compare greedy runs to judge)"
+        if divergence is None:
+            print("ONNX Runtime's CPU kernel: identical tokens")
+        elif isinstance(divergence, Divergence) and divergence.near_tie:
+            print(f"ONNX Runtime's CPU kernel: identical up to {divergence.describe()}; the runs follow different paths after it")
+            divergence = None
+    if args.json:
+        _write_json(document, args.json)
+    if divergence is not None:
+        detail = divergence.describe() if isinstance(divergence, Divergence) else divergence
+        raise RuntimeError(f"tokens differ from ONNX Runtime's CPU kernel: {detail}")
+    return 0
+
+
+def _stop_tokens(args, files) -> list[int]:
+    if args.no_stop:
+        return []
+    if args.stop_ids is not None:
+        return args.stop_ids
+    # A GenAI folder stops at its eos_token_id, as GenAI does; a bare .onnx names none.
+    eos = ((files.genai_config or {}).get("model") or {}).get("eos_token_id")
+    return [] if eos is None else (list(eos) if isinstance(eos, list) else [int(eos)])
+
+
+def _pad_token(files) -> int:
+    pad = ((files.genai_config or {}).get("model") or {}).get("pad_token_id", 0)
+    return int(pad[0] if isinstance(pad, list) else pad)
+
+
+def _ort_tokens(files, prompts, max_new_tokens: int, options: dict):
+    """(the plain session, the same generation's tokens) with ONNX Runtime's own CPU kernels.
+    Rows of different lengths run one by one: ORT's kernel gets ragged batches wrong."""
+    import onnxruntime as ort
+
+    from .generation import generate as generate_tokens
+
+    session = ort.InferenceSession(str(files.onnx_path), providers=["CPUExecutionProvider"])
+    if len({len(p) for p in prompts}) == 1:
+        return session, generate_tokens(session, prompts, max_new_tokens, **options).tokens
+    return session, [generate_tokens(session, [prompt], max_new_tokens, **options).tokens[0] for prompt in prompts]
+
+
+class _StepProgress:
+    """A tqdm bar over generated tokens on stderr (when tqdm is installed and wanted)."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.bar = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                return
+            self.bar = tqdm(total=total, unit="token", file=sys.stderr, leave=False, dynamic_ncols=True)
+
+    def step(self, step: int, tokens) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def bench(args: argparse.Namespace) -> int:
+    from .benchmarking import sweep
+
+    command = "sparse-attention-op bench " + " ".join(args.argv)
+    return sweep.run(args, command)
+
+
+def export_graph(args: argparse.Namespace) -> int:
+    from .exporting import export_graph as write
+
+    for path in write(args):
+        print(f"wrote {path}")
+    return 0
+
+
+def export_decoder(args: argparse.Namespace) -> int:
+    from .exporting import export_decoder as write
+
+    path, config = write(args)
+    print(f"wrote {path} and {path.parent / 'genai_config.json'}: {config.layers} layers, {config.dtype}, "
+          f"{config.num_heads} heads over {config.kv_num_heads}, head size {config.head_size}, context {config.max_position}")
+    return 0
+
+
+def export_demo(args: argparse.Namespace) -> int:
+    import onnx
+
+    from .demo import build_demo_model
+
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(build_demo_model(), str(args.output))
+    print(f"wrote {args.output}")
+    return 0
+
+
+def adapters(args: argparse.Namespace) -> int:
+    from .webgpu.device import describe, list_adapters
+
+    found = list_adapters()
+    if args.native:
+        # OpenGL adapters lack what the kernels need (storage limits, compute robustness).
+        found = [a for a in found if a.info.get("backend_type") != "OpenGL"]
+    if not found:
+        raise RuntimeError("no wgpu adapter found" + (" on a native backend (Vulkan, Metal, D3D12)" if args.native else ""))
+    for adapter in found:
+        print(describe(adapter))
+    return 0
+
+
+def demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return 0 if run_demo(args.model, prompt_len=args.prompt, steps=args.steps) else 1
+
+
+def _write_json(document, destination: str) -> None:
+    text = json.dumps(document, indent=2, default=str)
+    if destination == "-":
+        print(text)
+        return
+    Path(destination).write_text(text + "\n")
+    print(f"wrote {destination}", file=sys.stderr)

@@ -1,0 +1,303 @@
+"""ORT GenAI model folders whose SparseAttention nodes run through the bridge.
+
+:func:`prepare_genai_folder` writes a copy of a GenAI model folder (``genai_config.json``,
+its ONNX models, tokenizer files, ...) in which every model holding SparseAttention went
+through :func:`~sparse_attention_op.model.prepare_model`, and :func:`load_genai_model`
+registers the bridge and opens it with ``onnxruntime_genai.Model``. What ORT GenAI 0.18
+imposes, as measured (docs/genai.md):
+
+* It loads a ``custom_ops_library`` only from inside the model folder (or the current
+  directory, or an EP library's folder), after resolving symbolic links: a link to
+  onnxruntime-extensions' library elsewhere is refused.
+* The library must be the very file this process already loaded: the PyOps live in that
+  loaded copy. A hard link is the same file (the dynamic loader sees one library); a copy
+  loads as a second library with no PyOp registered, and the session fails to load.
+* With ``past_present_share_buffer`` true it binds each past and present to one buffer of
+  ``max_length`` rows, so the presents' native ScatterND nodes write only the new rows in
+  place. With it false, the first step is fed a zero-length past, which the op refuses.
+
+Each prepared folder carries one session token (docs/design.md section 4), recorded in
+``sparse_attention_op.json``: models loaded from the same folder share their nodes' GPU
+state, per thread (see load_genai_model).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import tempfile
+import threading
+import uuid
+import weakref
+from pathlib import Path
+from typing import Iterator
+
+import onnx
+from onnx import external_data_helper
+from onnxruntime_extensions import get_library_path
+
+from .bridge import BRIDGE_DOMAIN, KV_CHECKS, register
+from .model import is_sparse_attention, prepare_model
+from .spec import INPUT_NAMES
+
+GENAI_CONFIG = "genai_config.json"
+#: What prepare_genai_folder did, for load_genai_model and for people reading the folder.
+#: A separate file: GenAI's config parser rejects keys it does not know.
+RECORD_FILE = "sparse_attention_op.json"
+_LAYOUT_INPUTS = tuple(INPUT_NAMES.index(name) for name in ("block_row_indices", "block_col_indices"))
+
+
+def prepare_genai_folder(source, target, *, kv_check: str = "fast", overwrite: bool = False) -> Path:
+    """Write ``target``: the GenAI model folder ``source`` with SparseAttention run by this package.
+
+    * Every ONNX model ``genai_config.json`` names (any ``filename`` under ``model``) that
+      holds SparseAttention is rewritten by ``prepare_model(kv_check=kv_check)``; its
+      external data files are copied unchanged (weights are never loaded).
+    * Every other file is copied.
+    * onnxruntime-extensions' library is hard-linked into ``target`` and named as
+      ``custom_ops_library`` in the session options of each rewritten model;
+      ``search.past_present_share_buffer`` is set to true.
+
+    ``kv_check``: ``"fast"`` (default; GenAI always feeds back what the model returned) or
+    ``"exact"``; stamped into the models, so it holds whatever session loads them.
+    ``overwrite``: replace an existing ``target`` (only a GenAI model folder or an empty
+    folder). The folder appears complete or not at all. Before ``onnxruntime_genai.Model``
+    opens it, the process must have called :func:`sparse_attention_op.register` (or use
+    :func:`load_genai_model`). Returns ``target`` as a Path.
+    """
+    if kv_check not in KV_CHECKS:
+        raise ValueError(f"kv_check must be one of {KV_CHECKS}, got {kv_check!r}")
+    source, target = Path(source), Path(target)
+    config = _read_config(source, "source")
+    _check_target(source, target, overwrite)
+    library = Path(get_library_path())
+    token = uuid.uuid4().hex
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside target and renamed into place: a failure leaves no half-written folder.
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        _link_library(library, staging / library.name, target)
+        rewritten = []
+        for component, relative in _named_models(config):
+            model_path = _inside(source, relative, "source")
+            model = _load_structure(model_path)
+            if not _holds(model, is_sparse_attention):
+                continue
+            prepared = prepare_model(model, session_token=token, kv_check=kv_check)
+            destination = staging / relative
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            onnx.save(prepared, str(destination))
+            options = component.setdefault("session_options", copy.deepcopy(_decoder_options(config)))
+            _set_library(options, library.name, relative)
+            rewritten.append(relative)
+        skip = {Path(name) for name in rewritten} | {Path(GENAI_CONFIG), Path(RECORD_FILE), Path(library.name)}
+        _copy_tree(source, staging, skip)
+        config.setdefault("search", {})["past_present_share_buffer"] = True
+        (staging / GENAI_CONFIG).write_text(json.dumps(config, indent=4) + "\n")
+        record = {"session_token": token, "kv_check": kv_check, "custom_ops_library": library.name, "models": rewritten}
+        (staging / RECORD_FILE).write_text(json.dumps(record, indent=4) + "\n")
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def load_genai_model(folder):
+    """``onnxruntime_genai.Model(folder)`` after :func:`register`, for a prepared folder.
+
+    Checks first that the folder's library link is still the library this process loads (a
+    folder copied with ``cp -r`` or moved to another filesystem holds a copy instead, which
+    GenAI would load as a second library without the bridge's ops). The nodes' GPU state is
+    freed when the last model loaded from a folder with this token is garbage-collected.
+    Models from one folder share that state per thread: generators interleaved on one
+    thread make each node's cache check fail and re-upload history (``"fast"``) or compare
+    every row (``"exact"``); results stay those of each generator's own past.
+    """
+    folder = Path(folder)
+    config = _read_config(folder, "folder")
+    record_path = folder / RECORD_FILE
+    if not record_path.is_file():
+        raise FileNotFoundError(f"folder {folder}: no {RECORD_FILE}; prepare it with prepare_genai_folder first")
+    record = json.loads(record_path.read_text())
+    library = folder / record["custom_ops_library"]
+    if not (library.is_file() and os.path.samefile(library, get_library_path())):
+        raise RuntimeError(
+            f"folder {folder}: {library.name} must be a hard link to onnxruntime-extensions' library {get_library_path()} "
+            "(GenAI needs the very library this process loaded; a copy lacks the registered ops): "
+            "prepare the folder again with prepare_genai_folder, on the library's filesystem"
+        )
+    for _, relative in _named_models(config):
+        if relative in record["models"] and not (folder / relative).is_file():
+            raise FileNotFoundError(f"folder {folder}: model {relative} named by {GENAI_CONFIG} is missing")
+    try:
+        import onnxruntime_genai as og
+    except ImportError as error:
+        raise ImportError("load_genai_model needs onnxruntime-genai: pip install 'sparse-attention-op[genai]'") from error
+    register()
+    model = og.Model(str(folder))
+    _track(model, record["session_token"])
+    return model
+
+
+# -- the folder and its config ------------------------------------------------------------
+def _read_config(folder: Path, argument: str) -> dict:
+    if not folder.is_dir():
+        raise NotADirectoryError(f"{argument} must be a GenAI model folder, {folder} is not a directory")
+    path = folder / GENAI_CONFIG
+    if not path.is_file():
+        raise FileNotFoundError(f"{argument} must be a GenAI model folder: no {GENAI_CONFIG} in {folder}")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{argument}: {path} is not valid JSON: {error}") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
+        raise ValueError(f"{argument}: {path} has no 'model' section")
+    return config
+
+
+def _check_target(source: Path, target: Path, overwrite: bool) -> None:
+    source_real, target_real = source.resolve(), target.resolve()
+    if target_real == source_real or source_real in target_real.parents or target_real in source_real.parents:
+        raise ValueError(f"target must lie outside source and not contain it, got source {source} and target {target}")
+    if not target.exists():
+        return
+    if not overwrite:
+        raise FileExistsError(f"target {target} exists; pass overwrite=True to replace it")
+    if not target.is_dir() or target.is_symlink():
+        raise FileExistsError(f"target {target} exists and is not a directory; overwrite replaces only a folder")
+    if any(target.iterdir()) and not (target / GENAI_CONFIG).is_file():
+        raise FileExistsError(f"target {target} is a non-empty folder without {GENAI_CONFIG}; overwrite replaces only a GenAI model folder")
+
+
+def _named_models(config: dict) -> Iterator[tuple[dict, str]]:
+    """(the config object naming it, relative path) for every ONNX model under 'model'.
+
+    GenAI names each model by a ``filename`` next to its own ``session_options``: the
+    decoder, the embedding/vision/speech parts, and every stage of a decoder pipeline.
+    """
+    stack = [config["model"]]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            filename = node.get("filename")
+            if isinstance(filename, str) and filename.endswith(".onnx"):
+                yield node, filename
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+
+
+def _decoder_options(config: dict) -> dict:
+    decoder = config["model"].get("decoder")
+    return decoder.get("session_options", {}) if isinstance(decoder, dict) else {}
+
+
+def _set_library(options: dict, library_name: str, model: str) -> None:
+    present = options.get("custom_ops_library")
+    if present and Path(present).name != library_name:
+        raise ValueError(
+            f"source: the session options of {model} already name custom_ops_library {present!r}; "
+            "GenAI loads one custom-op library per model, and this one must be onnxruntime-extensions'"
+        )
+    options["custom_ops_library"] = library_name
+
+
+def _inside(folder: Path, relative: str, argument: str) -> Path:
+    path = folder / relative
+    if not path.resolve().is_relative_to(folder.resolve()):
+        raise ValueError(f"{argument}: {GENAI_CONFIG} names {relative!r}, outside the folder")
+    if not path.is_file():
+        raise FileNotFoundError(f"{argument}: {GENAI_CONFIG} names {relative!r}, which is not in {folder}")
+    return path
+
+
+def _copy_tree(source: Path, destination: Path, skip: set[Path]) -> None:
+    for path in sorted(source.rglob("*")):
+        relative = path.relative_to(source)
+        if relative in skip or path.is_dir():
+            continue
+        (destination / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, destination / relative)  # follows symbolic links: the folder stands alone
+
+
+# -- the models -----------------------------------------------------------------------------
+def _load_structure(path: Path) -> onnx.ModelProto:
+    """The model without its external weights, which stay in their files (copied as they are).
+
+    prepare_model reads only a constant layout's values: those of a SparseAttention node
+    are loaded (and so saved inline; they are small). External references keep their paths
+    relative to the model, so the copied data files serve the rewritten model unchanged.
+    """
+    model = onnx.load(str(path), load_external_data=False)
+    if _holds(model, _is_bridge_op):
+        # Its nodes carry another folder's token: prepare the original folder instead.
+        raise ValueError(f"source: {path.name} is already prepared (it holds the bridge's ops); prepare the original folder")
+    initializers = {init.name: init for init in model.graph.initializer}
+    for node in _all_nodes(model.graph):
+        if is_sparse_attention(node):
+            for index in _LAYOUT_INPUTS:
+                tensor = initializers.get(node.input[index]) if index < len(node.input) else None
+                if tensor is not None and external_data_helper.uses_external_data(tensor):
+                    external_data_helper.load_external_data_for_tensor(tensor, str(path.parent))
+                    tensor.data_location = onnx.TensorProto.DEFAULT
+                    del tensor.external_data[:]
+    return model
+
+
+def _holds(model: onnx.ModelProto, predicate) -> bool:
+    return any(predicate(node) for node in _all_nodes(model.graph))
+
+
+def _is_bridge_op(node: onnx.NodeProto) -> bool:
+    return node.domain == BRIDGE_DOMAIN
+
+
+def _all_nodes(graph) -> Iterator[onnx.NodeProto]:
+    for node in graph.node:
+        yield node
+        for attribute in node.attribute:
+            for sub in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs):
+                yield from _all_nodes(sub)
+
+
+# -- the library -----------------------------------------------------------------------------
+def _link_library(library: Path, link: Path, target: Path) -> None:
+    try:
+        os.link(library, link)
+    except OSError as error:
+        raise OSError(
+            error.errno,
+            f"target {target}: cannot hard-link onnxruntime-extensions' library {library} into it ({error.strerror}). "
+            "GenAI loads a custom-op library only from inside the model folder, resolving symbolic links, and it must "
+            "be the very file this process loaded (a copy loads as a second library without the bridge's ops): "
+            f"put target on the filesystem of {library.parent}",
+        ) from None
+
+
+# -- GPU state of loaded models ---------------------------------------------------------------
+_live_models: dict[str, int] = {}
+_live_lock = threading.Lock()
+
+
+def _track(model, token: str) -> None:
+    with _live_lock:
+        _live_models[token] = _live_models.get(token, 0) + 1
+    weakref.finalize(model, _forget, token)
+
+
+def _forget(token: str) -> None:
+    from .session import _close_session  # frees a token's GPU state without blocking
+
+    with _live_lock:
+        _live_models[token] -= 1
+        last = _live_models[token] == 0
+        if last:
+            del _live_models[token]
+    if last:
+        _close_session(token)

@@ -1,0 +1,409 @@
+"""A generation loop for decoders in the ORT GenAI I/O convention, on shared KV buffers.
+
+The convention (what the GenAI model builder writes, and sparse_attention_op.decoder_models):
+inputs ``input_ids`` (int64 [batch, seq]), ``attention_mask`` (int64 [batch, total]),
+optionally ``position_ids``, and per layer ``past_key_values.{i}.key/value``; outputs
+``logits`` ([batch, seq, vocab]) and ``present.{i}.key/value``.
+
+Each layer's past and present are bound to one buffer of ``capacity`` rows (IO binding, as
+GenAI runs decoders): the model's native ScatterND nodes write the new rows in place, and no
+cache-sized tensor is copied per step (docs/design.md section 4).
+
+Padding. The SparseAttention contract counts a row's *first* ``key_total_sequence_lengths[b]``
+tokens as its history, so rows of a batch are right-padded here: prompts may be given as
+lists of different lengths, or as one padded array with an ``attention_mask`` whose zeros
+are on the left or on the right; a left-padded row is moved to the left edge first. Every
+row then generates what it would generate alone (ORT GenAI's own left padding does not:
+docs/genai.md, "Limitations").
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+import onnxruntime as ort
+
+from .model import ModelLike, load_model
+
+INPUT_IDS, ATTENTION_MASK, POSITION_IDS, LOGITS = "input_ids", "attention_mask", "position_ids", "logits"
+_PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
+PRESENT = "present.{layer}.{kind}"
+
+
+class GenerationError(ValueError):
+    """An argument of :func:`generate` or the model's I/O does not fit; the message says which."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen from a row's logits.
+
+    Greedy (``do_sample=False``, the default) takes the argmax (ties: the lowest id). Sampled
+    draws from softmax(logits / temperature) after keeping the ``top_k`` largest (0: all) and
+    then the smallest set whose probability reaches ``top_p``; ``seed`` fixes the draws.
+    """
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def validate(self) -> None:
+        if not self.temperature > 0:
+            raise GenerationError(f"temperature must be > 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise GenerationError(f"top_k must be an int >= 0 (0: no limit), got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise GenerationError(f"top_p must lie in (0, 1], got {self.top_p!r}")
+
+
+@dataclass
+class GenerationResult:
+    """What :func:`generate` produced, per row, and how long it took.
+
+    ``tokens[b]`` are row b's new tokens, ending with the stop token that ended it, if one
+    did (``finish_reasons[b]`` "stop"; else "length"). ``prompt_seconds`` is the prompt's
+    run (the first new token); ``step_seconds`` one entry per decode step after it.
+    """
+
+    tokens: list[list[int]]
+    prompt_lengths: list[int]
+    finish_reasons: list[str]
+    prompt_seconds: float
+    step_seconds: list[float] = field(default_factory=list)
+
+    @property
+    def ms_per_token(self) -> float:
+        """Mean wall time of one decode step (one new token for every unfinished row), in ms;
+        the prompt's time when nothing followed it."""
+        if not self.step_seconds:
+            return 1e3 * self.prompt_seconds
+        return 1e3 * sum(self.step_seconds) / len(self.step_seconds)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Decode throughput: the tokens the decode steps produced (all rows; each row's first
+        new token comes from the prompt) over their wall time. 0 when no step ran."""
+        decode_tokens = sum(max(len(row) - 1, 0) for row in self.tokens)
+        seconds = sum(self.step_seconds)
+        return decode_tokens / seconds if seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {"tokens": self.tokens, "ms_per_token": self.ms_per_token, "tokens_per_second": self.tokens_per_second,
+                "prompt_ms": 1e3 * self.prompt_seconds, "prompt_lengths": self.prompt_lengths,
+                "finish_reasons": self.finish_reasons}
+
+
+@dataclass(frozen=True)
+class _DecoderIO:
+    """The model's inputs and outputs in the GenAI convention, with the caches' shapes."""
+
+    layers: int
+    kv_heads: int
+    head_size: int
+    cache_dtype: np.dtype
+    has_position_ids: bool
+    other_inputs: tuple[str, ...]
+    vocab_size: int | None  # logits' last dim where the model fixes it
+
+    @staticmethod
+    def of(session: ort.InferenceSession) -> "_DecoderIO":
+        inputs = {i.name: i for i in session.get_inputs()}
+        outputs = {o.name for o in session.get_outputs()}
+        for name in (INPUT_IDS, ATTENTION_MASK):
+            if name not in inputs:
+                raise GenerationError(f"the model has no input '{name}': generate needs the ORT GenAI convention "
+                                      f"({INPUT_IDS}, {ATTENTION_MASK}, past_key_values.{{i}}.key/value)")
+        if LOGITS not in outputs:
+            raise GenerationError(f"the model has no output '{LOGITS}'")
+        vocab = next(o.shape[-1] for o in session.get_outputs() if o.name == LOGITS)
+        pasts = {}
+        for name, graph_input in inputs.items():
+            match = _PAST.match(name)
+            if match:
+                pasts[(int(match.group(1)), match.group(2))] = graph_input
+        layers = 1 + max((layer for layer, _ in pasts), default=-1)
+        if layers == 0:
+            raise GenerationError("the model has no input 'past_key_values.0.key': generate needs a decoder with a KV cache")
+        shapes = set()
+        for layer in range(layers):
+            for kind in ("key", "value"):
+                graph_input = pasts.get((layer, kind))
+                if graph_input is None:
+                    raise GenerationError(f"the model has no input 'past_key_values.{layer}.{kind}' (layers 0..{layers - 1} need one each)")
+                present = PRESENT.format(layer=layer, kind=kind)
+                if present not in outputs:
+                    raise GenerationError(f"the model has no output '{present}' for input '{graph_input.name}'")
+                shape = graph_input.shape
+                if len(shape) != 4 or not all(isinstance(d, int) for d in (shape[1], shape[3])):
+                    raise GenerationError(f"input '{graph_input.name}' must be [batch, kv_heads, rows, head_size] with fixed kv_heads and "
+                                          f"head_size, got {shape}")
+                shapes.add((shape[1], shape[3], graph_input.type))
+        if len(shapes) != 1:
+            raise GenerationError(f"every past must have one kv_heads, head_size and type; the model has {sorted(shapes)}")
+        kv_heads, head_size, type_name = shapes.pop()
+        dtypes = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+        if type_name not in dtypes:
+            raise GenerationError(f"past caches of type {type_name} are not supported (float or float16)")
+        known = {INPUT_IDS, ATTENTION_MASK, POSITION_IDS} | {i.name for i in pasts.values()}
+        return _DecoderIO(layers, kv_heads, head_size, np.dtype(dtypes[type_name]), POSITION_IDS in inputs,
+                          tuple(name for name in inputs if name not in known), vocab if isinstance(vocab, int) else None)
+
+
+def generate(
+    model: ModelLike | ort.InferenceSession,
+    prompts: Sequence[Sequence[int]] | np.ndarray,
+    max_new_tokens: int,
+    *,
+    attention_mask: np.ndarray | None = None,
+    stop_tokens: Iterable[int] = (),
+    pad_token_id: int = 0,
+    sampling: Sampling = Sampling(),
+    capacity: int | None = None,
+    kv_check: str = "fast",
+    on_step: Callable[[int, list[int | None]], None] | None = None,
+) -> GenerationResult:
+    """Generate up to ``max_new_tokens`` new tokens for every prompt.
+
+    ``model``: an ONNX model in the GenAI convention (a path, bytes or ModelProto: run
+    through :func:`~sparse_attention_op.create_session` with ``kv_check``), or an
+    ``InferenceSession`` to use as it is (a plain one runs ONNX Runtime's own kernels).
+    ``prompts``: token ids per row, as lists of any lengths, or a 2-D integer array whose
+    padding ``attention_mask`` (same shape, 1 = token, 0 = padding on either side) marks.
+    A row stops after it emits one of ``stop_tokens``; finished rows are fed
+    ``pad_token_id`` until every row is done. ``capacity``: rows of each KV buffer (default:
+    the longest prompt plus ``max_new_tokens``; the model's context length bounds it).
+    ``on_step(step, new_tokens)`` is called after every token (None for finished rows).
+    """
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    sampling.validate()
+    rows = _prompt_rows(prompts, attention_mask)
+    stops = _token_set(stop_tokens, "stop_tokens")
+    longest = max(map(len, rows))
+    capacity = longest + max_new_tokens if capacity is None else capacity
+    if not isinstance(capacity, int) or capacity < longest + max_new_tokens:
+        raise GenerationError(f"capacity must hold the longest prompt plus max_new_tokens = {longest + max_new_tokens} rows, got {capacity!r}")
+    session = _session(model, kv_check)
+    io = _DecoderIO.of(session)
+    if io.other_inputs:
+        raise GenerationError(f"the model takes input(s) generate does not know how to feed: {', '.join(io.other_inputs)}")
+    if io.vocab_size is not None:
+        _check_ids(rows, stops, pad_token_id, io.vocab_size)  # before any work
+    loop = _Loop(session, io, len(rows), capacity)
+    rng = np.random.default_rng(sampling.seed)
+    lengths = np.array([len(r) for r in rows], np.int64)
+    ids = np.full((len(rows), longest), pad_token_id, np.int64)
+    for b, row in enumerate(rows):
+        ids[b, : len(row)] = row
+
+    start = time.perf_counter()
+    logits = loop.step(ids, lengths)
+    vocab = logits.shape[-1]
+    _check_ids(rows, stops, pad_token_id, vocab)
+    last = logits[np.arange(len(rows)), lengths - 1]
+    generated: list[list[int]] = [[] for _ in rows]
+    done = [False] * len(rows)
+    prompt_seconds, step_seconds = time.perf_counter() - start, []
+    for step in range(max_new_tokens):
+        chosen = _choose(last, sampling, rng)
+        emitted: list[int | None] = []
+        for b, token in enumerate(chosen):
+            if done[b]:
+                emitted.append(None)
+                continue
+            generated[b].append(int(token))
+            emitted.append(int(token))
+            done[b] = int(token) in stops
+        if on_step is not None:
+            on_step(step, emitted)
+        if all(done) or step == max_new_tokens - 1:
+            break
+        start = time.perf_counter()
+        feed = np.array([pad_token_id if d else t for t, d in zip(chosen, done)], np.int64)[:, None]
+        lengths = lengths + 1
+        last = loop.step(feed, lengths)[:, -1]
+        step_seconds.append(time.perf_counter() - start)
+    reasons = ["stop" if d else "length" for d in done]
+    return GenerationResult(generated, [len(r) for r in rows], reasons, prompt_seconds, step_seconds)
+
+
+class _Loop:
+    """One generation's buffers and bindings: a KV buffer per past, bound as past and present."""
+
+    def __init__(self, session: ort.InferenceSession, io: _DecoderIO, batch: int, capacity: int):
+        self.session, self.io = session, io
+        shape = (batch, io.kv_heads, capacity, io.head_size)
+        # The OrtValues borrow these arrays' memory: they live as long as the loop.
+        self._arrays = {}
+        self._caches = {}
+        for layer in range(io.layers):
+            for kind in ("key", "value"):
+                array = np.zeros(shape, io.cache_dtype)
+                self._arrays[layer, kind] = array
+                self._caches[layer, kind] = ort.OrtValue.ortvalue_from_numpy(array)
+
+    def step(self, ids: np.ndarray, key_totals: np.ndarray) -> np.ndarray:
+        """Run the model on ``ids`` (batch, seq), row b's tokens ending at position
+        key_totals[b]; the logits, float32 (batch, seq, vocab)."""
+        batch, seq = ids.shape
+        width = int(key_totals.max())
+        mask = (np.arange(width)[None, :] < key_totals[:, None]).astype(np.int64)
+        binding = self.session.io_binding()
+        binding.bind_cpu_input(INPUT_IDS, np.ascontiguousarray(ids))
+        binding.bind_cpu_input(ATTENTION_MASK, mask)
+        if self.io.has_position_ids:
+            # A prompt's tokens sit at 0..seq-1 (padding included); later tokens end at key_totals - 1.
+            first = np.zeros_like(key_totals) if width == seq else key_totals - seq
+            positions = first[:, None] + np.arange(seq)[None, :]
+            binding.bind_cpu_input(POSITION_IDS, positions.astype(np.int64))
+        binding.bind_output(LOGITS)  # first bound, so first of get_outputs()
+        for (layer, kind), value in self._caches.items():
+            binding.bind_ortvalue_input(f"past_key_values.{layer}.{kind}", value)
+            binding.bind_ortvalue_output(PRESENT.format(layer=layer, kind=kind), value)
+        self.session.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy().astype(np.float32, copy=False)
+
+
+def _session(model, kv_check: str) -> ort.InferenceSession:
+    if isinstance(model, ort.InferenceSession):
+        return model
+    from .session import create_session
+
+    if isinstance(model, (str, os.PathLike)) and os.path.isdir(model):
+        from .model_files import resolve
+
+        model = resolve(model).onnx_path  # an ORT GenAI folder: its decoder
+    return create_session(load_model(model), kv_check=kv_check)
+
+
+def _prompt_rows(prompts, attention_mask) -> list[list[int]]:
+    """The prompts as lists of ids, padding removed (a mask's zeros on either side)."""
+    if isinstance(prompts, np.ndarray) or attention_mask is not None:
+        ids = np.asarray(prompts)
+        if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer) or ids.shape[0] < 1 or ids.shape[1] < 1:
+            raise GenerationError(f"prompts given as an array must be 2-D integer (batch, seq), got shape {ids.shape} dtype {ids.dtype}")
+        if attention_mask is None:
+            return [list(map(int, row)) for row in ids]
+        mask = np.asarray(attention_mask)
+        if mask.shape != ids.shape or not np.isin(mask, (0, 1)).all():
+            raise GenerationError(f"attention_mask must be 0/1 of the prompts' shape {ids.shape}, got shape {mask.shape}")
+        rows = []
+        for b, row_mask in enumerate(mask.astype(bool)):
+            kept = np.flatnonzero(row_mask)
+            if kept.size == 0:
+                raise GenerationError(f"attention_mask row {b} masks every token: each prompt needs at least one")
+            if kept[-1] - kept[0] + 1 != kept.size:
+                raise GenerationError(f"attention_mask row {b} has padding between tokens; padding must be on the left or the right")
+            rows.append(list(map(int, ids[b, kept])))
+        return rows
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+        raise GenerationError("prompts must be a non-empty list of token-id lists (or a 2-D array)")
+    rows = []
+    for b, row in enumerate(prompts):
+        if isinstance(row, (int, np.integer)):
+            raise GenerationError("prompts must be a list of rows (lists of token ids): wrap a single prompt as [[...]]")
+        row = list(row)
+        if not row or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in row):
+            raise GenerationError(f"prompt row {b} must be a non-empty list of int token ids, got {row!r}")
+        rows.append([int(t) for t in row])
+    return rows
+
+
+def _token_set(tokens, name: str) -> set[int]:
+    tokens = [tokens] if isinstance(tokens, (int, np.integer)) else list(tokens)
+    if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in tokens):
+        raise GenerationError(f"{name} must be int token ids, got {tokens!r}")
+    return {int(t) for t in tokens}
+
+
+def _check_ids(rows, stops, pad_token_id, vocab: int) -> None:
+    for b, row in enumerate(rows):
+        bad = [t for t in row if not 0 <= t < vocab]
+        if bad:
+            raise GenerationError(f"prompt row {b}: token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
+    bad = sorted(t for t in stops if not 0 <= t < vocab)
+    if bad:
+        raise GenerationError(f"stop_tokens {bad} lie outside the vocabulary [0, {vocab})")
+    if not 0 <= pad_token_id < vocab:
+        raise GenerationError(f"pad_token_id {pad_token_id} lies outside the vocabulary [0, {vocab})")
+
+
+def _choose(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> np.ndarray:
+    """The next token of every row from its logits (batch, vocab)."""
+    if not sampling.do_sample:
+        return np.argmax(logits, axis=-1)
+    scores = logits.astype(np.float64) / sampling.temperature
+    chosen = np.empty(len(scores), np.int64)
+    for b, row in enumerate(scores):
+        order = np.argsort(-row, kind="stable")
+        if sampling.top_k:
+            order = order[: sampling.top_k]
+        probabilities = np.exp(row[order] - row[order[0]])
+        probabilities /= probabilities.sum()
+        if sampling.top_p < 1:
+            # The smallest prefix (in falling probability) whose mass reaches top_p.
+            keep = int(np.searchsorted(np.cumsum(probabilities), sampling.top_p) + 1)
+            order, probabilities = order[:keep], probabilities[:keep] / probabilities[:keep].sum()
+        chosen[b] = order[rng.choice(len(order), p=probabilities)]
+    return chosen
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where two greedy generations of the same prompts first differ, judged by one model's logits.
+
+    ``gap`` is how much higher that model (the reference) scores its own token than the other
+    run's token, after the common prefix; ``resolution`` is what the logits' dtype resolves
+    there (two float16 ulps at the top logit, or 1e-4 of it in float32). A gap within the
+    resolution is a near-tie: either pick is right, and the runs follow different paths from
+    there. A larger gap means one run computed something else.
+    """
+
+    row: int
+    step: int
+    ours: int | None  # None: that run had stopped
+    theirs: int | None
+    gap: float
+    resolution: float
+
+    @property
+    def near_tie(self) -> bool:
+        return self.ours is not None and self.theirs is not None and self.gap <= self.resolution
+
+    def describe(self) -> str:
+        if self.ours is None or self.theirs is None:
+            return f"row {self.row}: one run stopped at new token {self.step}, the other did not"
+        kind = "a near-tie" if self.near_tie else "a real difference"
+        return (f"row {self.row}, new token {self.step}: {self.ours} here, {self.theirs} there; the reference scores its own "
+                f"token {self.gap:.3g} higher (its logits resolve {self.resolution:.3g} there): {kind}")
+
+
+def first_divergence(reference: ort.InferenceSession, prompts: Sequence[Sequence[int]], ours: Sequence[Sequence[int]],
+                     theirs: Sequence[Sequence[int]]) -> Divergence | None:
+    """The first (row, step) where greedy tokens ``ours`` and ``theirs`` differ, judged by the
+    ``reference`` session (the run that produced ``theirs``); None when they are identical."""
+    for row, (prompt, mine, other) in enumerate(zip(prompts, ours, theirs)):
+        step = next((i for i, (a, b) in enumerate(zip(mine, other)) if a != b), None)
+        if step is None:
+            if len(mine) == len(other):
+                continue
+            step = min(len(mine), len(other))
+            return Divergence(row, step, mine[step] if step < len(mine) else None, other[step] if step < len(other) else None, 0.0, 0.0)
+        context = list(prompt) + list(other[:step])
+        io = _DecoderIO.of(reference)
+        loop = _Loop(reference, io, 1, len(context))
+        logits = loop.step(np.array([context], np.int64), np.array([len(context)]))[0, -1].astype(np.float64)
+        top = float(np.abs(logits).max())
+        if io.cache_dtype == np.float16:
+            resolution = 2 * 2.0 ** (np.floor(np.log2(max(top, 2.0**-14))) - 10)
+        else:
+            resolution = 1e-4 * max(1.0, top)
+        return Divergence(row, step, int(mine[step]), int(other[step]), float(logits[other[step]] - logits[mine[step]]), float(resolution))
+    return None

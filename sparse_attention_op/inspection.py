@@ -1,0 +1,310 @@
+"""What a model holds and where it would run (the ``inspect`` command).
+
+For each SparseAttention node: its attributes and the inputs as the model declares them
+(dtype, shape with symbolic dims, and whether a graph input, a constant or computed). For
+each layout: the density of every layout (selected causal blocks over all causal blocks,
+read with ORT's CSR rules, reference.block_mask) when the CSR is constant, "per call"
+when it is not. And the placement: SparseAttention runs on WebGPU through the bridge's
+PyOps; every other node stays on ONNX Runtime's CPU kernels, counted by op type.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, external_data_helper, helper, numpy_helper
+
+from .model import is_sparse_attention, node_attributes
+from .model_files import ModelFiles
+from .spec import INPUT_NAMES, OUTPUT_NAMES
+
+WEBGPU = "WebGPU (SparseAttention through the bridge's PyOps)"
+ORT_CPU = "ONNX Runtime CPU"
+
+
+@dataclass
+class TensorInfo:
+    name: str
+    dtype: str  # "float32", "int64", ... or "?" where nothing declares it
+    shape: list | None  # ints and symbolic names (None: an unnamed dim); None: rank unknown
+    kind: str = ""  # "graph input", "constant", "computed" (node inputs only)
+
+    @property
+    def shape_text(self) -> str:
+        if self.shape is None:
+            return "?"
+        return "[" + ", ".join("?" if d is None else str(d) for d in self.shape) + "]"
+
+
+@dataclass
+class LayoutInfo:
+    """One CSR layout (the pair of tensors), as shared by the nodes that read it."""
+
+    block_row_indices: str
+    block_col_indices: str
+    constant: bool
+    nodes: list[str]
+    sparse_block_size: int
+    num_layout: int | None = None
+    max_blocks: int | None = None
+    density: list[float] | None = None  # per layout: selected causal blocks / causal blocks
+
+    @property
+    def summary(self) -> str:
+        if not self.constant:
+            return "per call (the CSR is a graph input or computed: its density is known only when it runs)"
+        if len(self.density) <= 8:
+            densities = ", ".join(f"{d:.3f}" for d in self.density)
+        else:  # Phi-3-small has 32: the spread says enough (--json lists each)
+            densities = f"{min(self.density):.3f} to {max(self.density):.3f}, mean {np.mean(self.density):.3f}"
+        return (f"{self.num_layout} layout(s) of {self.max_blocks} block rows x {self.sparse_block_size} tokens; "
+                f"density (selected/causal blocks): {densities}")
+
+
+@dataclass
+class NodeInfo:
+    name: str
+    attributes: dict
+    inputs: list[TensorInfo]  # one per operator slot that is given, slot name first
+    outputs: list[TensorInfo]
+    layout: int | None  # index into ModelReport.layouts
+
+
+@dataclass
+class ModelReport:
+    path: str
+    ir_version: int
+    opsets: dict[str, int]
+    genai: dict | None
+    inputs: list[TensorInfo]
+    outputs: list[TensorInfo]
+    nodes: list[NodeInfo]
+    layouts: list[LayoutInfo]
+    placement: dict[str, dict[str, int]] = field(default_factory=dict)  # device -> op type -> count
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def inspect_model(model: onnx.ModelProto, files: ModelFiles) -> ModelReport:
+    """The report of ``model`` (loaded from ``files``; external weights need not be loaded)."""
+    graph = model.graph
+    declared = declared_tensors(model)
+    constants = constant_tensors(graph)
+    graph_inputs = {i.name for i in graph.input} - set(constants)
+    layouts: dict[tuple[str, str], LayoutInfo] = {}
+    nodes = []
+    for node in all_nodes(graph):
+        if not is_sparse_attention(node):
+            continue
+        attributes = {name: _plain(value) for name, value in node_attributes(node).items()}
+        named = dict(zip(INPUT_NAMES, node.input))
+        inputs = []
+        for slot, tensor in named.items():
+            if tensor:
+                info = declared.get(tensor, TensorInfo(tensor, "?", None))
+                kind = "constant" if tensor in constants else "graph input" if tensor in graph_inputs else "computed"
+                inputs.append(TensorInfo(_slot_label(slot, tensor), info.dtype, info.shape, kind))
+        outputs = [TensorInfo(_slot_label(slot, tensor), *_dtype_shape(declared, tensor)) for slot, tensor in zip(OUTPUT_NAMES, node.output) if tensor]
+        layout_index = None
+        pair = (named.get("block_row_indices", ""), named.get("block_col_indices", ""))
+        if all(pair):
+            if pair not in layouts:
+                layouts[pair] = _layout(pair, constants, int(attributes.get("sparse_block_size", 0)), Path(files.onnx_path).parent)
+            layouts[pair].nodes.append(node.name)
+            layout_index = list(layouts).index(pair)
+        nodes.append(NodeInfo(node.name, attributes, inputs, outputs, layout_index))
+    return ModelReport(
+        path=str(files.onnx_path),
+        ir_version=model.ir_version,
+        opsets={op.domain or "ai.onnx": op.version for op in model.opset_import},
+        genai=_genai_summary(files),
+        inputs=[declared.get(i.name, TensorInfo(i.name, "?", None)) for i in graph.input if i.name in graph_inputs],
+        outputs=[declared.get(o.name, TensorInfo(o.name, "?", None)) for o in graph.output],
+        nodes=nodes,
+        layouts=list(layouts.values()),
+        placement=placement(graph),
+    )
+
+
+def placement(graph: onnx.GraphProto) -> dict[str, dict[str, int]]:
+    """Node counts by op type on each side: SparseAttention on WebGPU, the rest on ORT's CPU
+    kernels (op types of other domains carry their domain, e.g. com.microsoft.GroupQueryAttention)."""
+    sides = {WEBGPU: collections.Counter(), ORT_CPU: collections.Counter()}
+    for node in all_nodes(graph):
+        op = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}"
+        sides[WEBGPU if is_sparse_attention(node) else ORT_CPU][op] += 1
+    return {side: dict(counts.most_common()) for side, counts in sides.items()}
+
+
+def format_report(report: ModelReport) -> str:
+    """The report as text: header, graph inputs/outputs, nodes, layouts, placement."""
+    from .text_tables import format_table
+
+    opsets = ", ".join(f"{domain} {version}" for domain, version in report.opsets.items())
+    lines = [f"model: {report.path} (IR {report.ir_version}; opsets {opsets})"]
+    if report.genai:
+        lines.append("genai_config.json: " + ", ".join(f"{k} {v}" for k, v in report.genai.items()))
+    lines += ["", "graph inputs:", format_table(["name", "dtype", "shape"], [[t.name, t.dtype, t.shape_text] for t in report.inputs], "  ")]
+    lines += ["", "graph outputs:", format_table(["name", "dtype", "shape"], [[t.name, t.dtype, t.shape_text] for t in report.outputs], "  ")]
+    lines += ["", f"SparseAttention nodes: {len(report.nodes)}"]
+    shown = None  # the last node printed in full; a decoder's layers mostly repeat it
+    for node in report.nodes:
+        attributes = " ".join(f"{k}={v}" for k, v in node.attributes.items())
+        if shown is not None and _same_signature(node, shown):
+            lines.append(f"  {node.name or '(unnamed)'}: as {shown.name or '(unnamed)'} (same attributes, input types and layout)")
+            continue
+        shown = node
+        lines += ["", f"  {node.name or '(unnamed)'}: {attributes}"]
+        rows = [[t.name, t.dtype, t.shape_text, t.kind] for t in node.inputs] + [[t.name, t.dtype, t.shape_text, "output"] for t in node.outputs]
+        lines.append(format_table(["slot: tensor", "dtype", "shape", "source"], rows, "    "))
+        if node.layout is not None:
+            lines.append(f"    layout: {node.layout} (below)")
+    if report.layouts:
+        lines += ["", "layouts:"]
+        for index, layout in enumerate(report.layouts):
+            lines.append(f"  {index}: {layout.block_row_indices} / {layout.block_col_indices}, read by {len(layout.nodes)} node(s): {layout.summary}")
+    lines += ["", "what runs where:"]
+    for side, counts in report.placement.items():
+        total = sum(counts.values())
+        detail = ", ".join(f"{op} {n}" for op, n in counts.items())
+        lines.append(f"  {side}: {total} node(s)" + (f": {detail}" if detail else ""))
+    return "\n".join(lines)
+
+
+# -- helpers ----------------------------------------------------------------------------
+
+
+def all_nodes(graph: onnx.GraphProto):
+    """Every node of the graph and of its subgraphs (If/Loop/Scan bodies)."""
+    for node in graph.node:
+        yield node
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                yield from all_nodes(attribute.g)
+            elif attribute.type == onnx.AttributeProto.GRAPHS:
+                for sub in attribute.graphs:
+                    yield from all_nodes(sub)
+
+
+def _same_signature(node: NodeInfo, other: NodeInfo) -> bool:
+    """Same attributes, slots, dtypes, shapes, sources and layout: only tensor names differ."""
+    def signature(n: NodeInfo):
+        # Shape inference stops at the first contrib op, so computed tensors of later layers
+        # lose their shapes: only what the graph itself fixes is compared.
+        slots = [(t.name.split(":")[0], t.dtype, t.shape_text if t.kind in ("graph input", "constant") else "", t.kind)
+                 for t in n.inputs]
+        return n.attributes, slots, n.layout
+
+    return signature(node) == signature(other)
+
+
+def _slot_label(slot: str, tensor: str) -> str:
+    """``slot: tensor``, or the slot alone where the tensor carries the slot's own name."""
+    return slot if slot == tensor else f"{slot}: {tensor}"
+
+
+def _plain(value):
+    """An attribute value as JSON can hold it."""
+    if isinstance(value, bytes):
+        return value.decode(errors="replace")
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, (int, float, str)):
+        return value
+    return repr(value)
+
+
+def dtype_name(elem_type: int) -> str:
+    if elem_type == TensorProto.UNDEFINED:
+        return "?"
+    return str(helper.tensor_dtype_to_np_dtype(elem_type)) if elem_type != TensorProto.BFLOAT16 else "bfloat16"
+
+
+def _tensor_info(value_info: onnx.ValueInfoProto) -> TensorInfo:
+    tensor_type = value_info.type.tensor_type
+    shape = None
+    if tensor_type.HasField("shape"):
+        shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor_type.shape.dim]
+    return TensorInfo(value_info.name, dtype_name(tensor_type.elem_type), shape)
+
+
+def _dtype_shape(declared: dict, name: str) -> tuple[str, list | None]:
+    info = declared.get(name)
+    return (info.dtype, info.shape) if info else ("?", None)
+
+
+def declared_tensors(model: onnx.ModelProto) -> dict[str, TensorInfo]:
+    """Dtype and shape of every tensor ONNX can tell, declared or inferred (inference is a
+    convenience: a model it cannot handle keeps what it declares)."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:
+        inferred = model
+    graph = inferred.graph
+    found = {vi.name: _tensor_info(vi) for vi in [*graph.value_info, *graph.output, *graph.input]}
+    for init in graph.initializer:
+        found.setdefault(init.name, TensorInfo(init.name, dtype_name(init.data_type), list(init.dims)))
+    for node in graph.node:
+        if node.op_type == "Constant" and node.output:
+            for attribute in node.attribute:
+                if attribute.name == "value":
+                    found[node.output[0]] = TensorInfo(node.output[0], dtype_name(attribute.t.data_type), list(attribute.t.dims))
+    return found
+
+
+def constant_tensors(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
+    """Tensors fixed in the model: initializers that are not graph inputs, Constant outputs."""
+    inputs = {i.name for i in graph.input}
+    constants = {init.name: init for init in graph.initializer if init.name not in inputs}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.output:
+            for attribute in node.attribute:
+                if attribute.name == "value":
+                    constants[node.output[0]] = attribute.t
+    return constants
+
+
+def _layout(pair: tuple[str, str], constants: dict, block_size: int, base_dir: Path) -> LayoutInfo:
+    from .reference import block_mask
+
+    info = LayoutInfo(pair[0], pair[1], all(name in constants for name in pair), [], block_size)
+    if not info.constant:
+        return info
+    arrays = []
+    for name in pair:
+        tensor = constants[name]
+        if external_data_helper.uses_external_data(tensor) and not tensor.HasField("raw_data"):
+            tensor = onnx.TensorProto.FromString(tensor.SerializeToString())  # the model itself stays unchanged
+            external_data_helper.load_external_data_for_tensor(tensor, str(base_dir))
+        arrays.append(numpy_helper.to_array(tensor))
+    rows, cols = arrays
+    mask = block_mask(rows, cols)
+    blocks = mask.shape[1]
+    causal = np.tril(np.ones((blocks, blocks), dtype=bool))
+    info.num_layout, info.max_blocks = int(mask.shape[0]), int(blocks)
+    info.density = [float((m & causal).sum() / causal.sum()) for m in mask]
+    return info
+
+
+def _genai_summary(files: ModelFiles) -> dict | None:
+    """What a GenAI folder's config says about the decoder (the keys that exist)."""
+    if files.genai_config is None:
+        return None
+    model = files.genai_config.get("model") or {}
+    decoder = files.decoder_config
+    summary = {"decoder": decoder.get("filename")}
+    for key in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_size", "hidden_size"):
+        if key in decoder:
+            summary[key] = decoder[key]
+    for key in ("vocab_size", "context_length", "eos_token_id", "pad_token_id"):
+        if key in model:
+            summary[key] = model[key]
+    search = files.genai_config.get("search") or {}
+    if "past_present_share_buffer" in search:
+        summary["past_present_share_buffer"] = search["past_present_share_buffer"]
+    return summary

@@ -1,0 +1,172 @@
+"""The command line, as a user runs it: every command's output, exit status and error line.
+
+Most cases call cli.main in this process (fast); the console script and ``python -m`` run
+once each as real subprocesses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from sparse_attention_op import cli
+from sparse_attention_op.generation import generate
+
+pytestmark = pytest.mark.gpu
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "models" / "phi3-small-tiny"
+TINY_F16 = REPO / "models" / "phi3-small-tiny-f16"
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
+    assert code == 1, err
+    lines = [line for line in err.splitlines() if line.startswith("sparse-attention-op ")]
+    assert len(lines) == 1, f"one error line expected, got:\n{err}"
+    for fragment in fragments:
+        assert fragment in lines[0], f"{fragment!r} not in {lines[0]!r}"
+
+
+def test_console_script_and_module_print_help():
+    script = Path(sys.executable).parent / "sparse-attention-op"
+    for command in ([str(script), "--help"], [sys.executable, "-m", "sparse_attention_op", "generate", "--help"]):
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert "usage: sparse-attention-op" in done.stdout
+    assert "--max-new-tokens" in done.stdout and "--compare-ort" in done.stdout
+
+
+def test_info_reports_the_chosen_adapter(capsys):
+    code, out, _ = run_cli(capsys, "info", "--json", "-")
+    report = json.loads(out)
+    assert code == 0 and report["versions"]["wgpu"] and report["adapters"]
+    chosen = report["chosen"]
+    assert chosen["description"] == report["adapters"][0]["description"]
+    assert set(chosen["features"]) == {"shader-f16", "timestamp-query", "subgroup"}
+    assert chosen["limits"]["max-storage-buffer-binding-size"] > 0 and chosen["routes"]
+    code, out, _ = run_cli(capsys, "info")
+    assert code == 0 and "chosen: " in out and "routes at Phi-3-small's shape" in out
+
+
+def test_inspect_a_genai_folder(capsys):
+    code, out, _ = run_cli(capsys, "inspect", TINY, "--json", "-")
+    report = json.loads(out)
+    assert code == 0 and len(report["nodes"]) == 2  # layers 0 and 2; 1 and 3 are GroupQueryAttention
+    assert report["nodes"][0]["attributes"]["sparse_block_size"] == 16
+    [layout] = report["layouts"]
+    assert layout["num_layout"] == 8 and len(layout["density"]) == 8 and all(0 < d < 1 for d in layout["density"])
+    assert report["placement"]["ONNX Runtime CPU"]["com.microsoft.GroupQueryAttention"] == 2
+    code, out, _ = run_cli(capsys, "inspect", TINY / "model.onnx")
+    assert code == 0 and "SparseAttention nodes: 2" in out and "density (selected/causal blocks)" in out
+
+
+def test_inspect_refuses_what_is_not_a_model(capsys, tmp_path):
+    (tmp_path / "broken.onnx").write_bytes(b"not a protobuf at all \xff\xfe")
+    code, _, err = run_cli(capsys, "inspect", tmp_path / "broken.onnx")
+    assert_one_line_error(code, err, "broken.onnx", "not an ONNX model")
+    code, _, err = run_cli(capsys, "inspect", tmp_path)
+    assert_one_line_error(code, err, "without genai_config.json")
+
+
+@pytest.mark.parametrize("folder", [TINY, TINY_F16], ids=["float32", "float16"])
+def test_run_agrees_with_ort_cpu(capsys, folder, tmp_path):
+    code, out, err = run_cli(capsys, "run", folder, "--seq", 6, "--past", 34, "--capacity", 64, "--compare-ort",
+                             "--save", tmp_path / "out.npz")
+    assert code == 0, err
+    table = [line.split() for line in out.splitlines() if line.startswith(("logits", "present."))]
+    assert len(table) == 9 and all(row[-1] == "yes" for row in table), out
+    with np.load(tmp_path / "out.npz") as saved:
+        assert saved["logits"].shape == (1, 6, 512)
+
+
+def test_run_with_given_feeds_and_their_errors(capsys, tmp_path):
+    graph = tmp_path / "graph.onnx"
+    feeds = tmp_path / "feeds.npz"
+    code, _, err = run_cli(capsys, "export", "graph", graph, "--rotary", "--packed", "--past", 20, "--inputs", feeds)
+    assert code == 0, err
+    code, out, err = run_cli(capsys, "run", graph, "--feeds", feeds, "--compare-ort")
+    assert code == 0 and out.count(" yes") == 3, out + err
+    with np.load(feeds) as archive:
+        partial = {name: archive[name] for name in archive.files if name != "query"}
+    np.savez(tmp_path / "partial.npz", **partial)
+    code, _, err = run_cli(capsys, "run", graph, "--feeds", tmp_path / "partial.npz")
+    assert_one_line_error(code, err, "partial.npz lacks graph input(s) 'query'")
+
+
+def test_generate_json_matches_the_api_and_ort(capsys, tmp_path):
+    out_json = tmp_path / "tokens.json"
+    code, out, err = run_cli(capsys, "generate", TINY, "--prompt-ids", "5,17,33", "--prompt-ids", "9,8,7,6,5,4,3,2,40,41",
+                             "--max-new-tokens", 12, "--compare-ort", "--no-stop", "--json", out_json, "--no-progress")
+    assert code == 0, err
+    assert "ONNX Runtime's CPU kernel: identical tokens" in out
+    document = json.loads(out_json.read_text())
+    assert isinstance(document["ms_per_token"], float) and document["ms_per_token"] > 0
+    expected = generate(str(TINY), [[5, 17, 33], [9, 8, 7, 6, 5, 4, 3, 2, 40, 41]], 12).tokens
+    assert document["tokens"] == expected == document["ort_cpu_tokens"]
+
+
+def test_generate_stops_at_the_folders_eos(capsys, tmp_path):
+    # A folder whose eos is the third token greedy decoding emits: generation stops there.
+    free = generate(str(TINY), [[5, 17, 33]], 8).tokens[0]
+    folder = tmp_path / "eos"
+    folder.mkdir()
+    (folder / "model.onnx").write_bytes((TINY / "model.onnx").read_bytes())
+    config = json.loads((TINY / "genai_config.json").read_text())
+    config["model"]["eos_token_id"] = free[2]
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    code, out, err = run_cli(capsys, "generate", folder, "--prompt-ids", "5,17,33", "--max-new-tokens", 8, "--json", "-", "--no-progress")
+    assert code == 0, err
+    document = json.loads(out[out.index("{"):])
+    assert document["tokens"] == [free[: free.index(free[2]) + 1]]
+
+
+def test_generate_errors_are_one_line(capsys):
+    code, _, err = run_cli(capsys, "generate", TINY, "--prompt-ids", "5,9999", "--max-new-tokens", 3)
+    assert_one_line_error(code, err, "token id(s) [9999] outside the vocabulary [0, 512)")
+    code, _, err = run_cli(capsys, "generate", TINY, "--prompt-ids", "1,2", "--max-new-tokens", 600)
+    assert code == 1 and "SparseAttention" in err and "512" in err, err
+    with pytest.raises(SystemExit) as usage:
+        cli.main(["generate", str(TINY), "--prompt-ids", "five"])
+    assert usage.value.code == 2
+    assert "comma-separated token ids" in capsys.readouterr().err
+
+
+def test_export_decoder_then_generate_and_inspect(capsys, tmp_path):
+    folder = tmp_path / "custom"
+    code, out, err = run_cli(capsys, "export", "decoder", folder, "--layers", 2, "--dtype", "float16", "--seed", 5, "--dense-every", 0)
+    assert code == 0 and (folder / "genai_config.json").is_file(), err
+    model = onnx.load(str(folder / "model.onnx"))
+    assert sum(n.op_type == "SparseAttention" for n in model.graph.node) == 2
+    code, out, err = run_cli(capsys, "generate", folder, "--prompt-ids", "3,4,5,6", "--max-new-tokens", 6, "--compare-ort", "--no-progress")
+    assert code == 0 and "identical tokens" in out, err
+    code, _, err = run_cli(capsys, "export", "decoder", tmp_path / "bad", "--num-heads", 5)
+    assert_one_line_error(code, err, "num_heads (5) must be a multiple of kv_num_heads")
+
+
+def test_bench_writes_json_and_a_plot(capsys, tmp_path):
+    code, out, err = run_cli(capsys, "bench", "--prefill", 128, "--decode", 127, "--capacity", 256, "--layouts", "dense",
+                             "--reps", 1, "--json", tmp_path / "bench.json", "--plot", tmp_path / "bench.png")
+    assert code == 0, err
+    document = json.loads((tmp_path / "bench.json").read_text())
+    assert [row["kind"] for row in document["rows"]] == ["prefill", "decode"]
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "every spot check passed" in out
+
+
+def test_demo_passes(capsys):
+    code, out, err = run_cli(capsys, "demo", "--prompt", 20, "--steps", 6)
+    assert code == 0, out + err
+    assert "identical tokens" in out and "OK" in out and "tokens/s" in out

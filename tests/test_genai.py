@@ -1,0 +1,353 @@
+"""ORT GenAI end to end: prepare_genai_folder's output, generated tokens, and refused calls.
+
+Token comparisons are exact: a greedy decode through GenAI on a prepared folder must give
+the tokens of sparse_attention_op.generate and of ONNX Runtime's own CPU kernel (GenAI on
+the unprepared folder, and a plain InferenceSession). Cases that could abort the process
+(a refused call inside the op) run in a subprocess, so an abort fails the test instead of
+killing pytest.
+"""
+
+from __future__ import annotations
+
+import errno
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnxruntime_extensions import get_library_path
+
+import sparse_attention_op as sao
+from sparse_attention_op import genai as genai_module
+from sparse_attention_op.bridge import BRIDGE_DOMAIN, KV_CHECK_ATTRIBUTE
+from sparse_attention_op.decoder_models import DecoderConfig, write_model_folder
+
+# Three layers, the last a dense GroupQueryAttention one (Phi-3-small's mix); blocks of 16
+# with 2 local blocks and a stride of 2, so sparsity bites from 32 tokens on.
+CONFIG = DecoderConfig(vocab_size=128, hidden=64, layers=3, num_heads=4, kv_num_heads=2, head_size=16, sparse_block_size=16,
+                       local_blocks=2, vert_stride=2, max_position=128, dense_every=3, intermediate=128)
+PROMPT_LEN, MAX_LENGTH = 24, 72  # 48 new tokens per row
+NEW_TOKENS = MAX_LENGTH - PROMPT_LEN
+LIBRARY = Path(get_library_path())
+
+
+@pytest.fixture(scope="module")
+def og():
+    try:
+        import onnxruntime_genai
+    except ImportError as error:
+        pytest.fail(f"these tests need onnxruntime-genai (pip install -e '.[test]'): {error}")
+    return onnxruntime_genai
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    """A GenAI folder as the builder leaves it, with tokenizer-like files to be copied."""
+    folder = tmp_path_factory.mktemp("genai") / "source"
+    write_model_folder(CONFIG, folder)
+    (folder / "tokenizer.json").write_text('{"model": "not a real tokenizer"}')
+    (folder / "extra").mkdir()
+    (folder / "extra" / "notes.txt").write_bytes(b"\x00\x01 copied as is")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def prepared(source) -> Path:
+    return sao.prepare_genai_folder(source, source.parent / "prepared")
+
+
+@pytest.fixture(scope="module")
+def prompts() -> np.ndarray:
+    return np.random.default_rng(1).integers(2, CONFIG.vocab_size, (2, PROMPT_LEN)).astype(np.int32)
+
+
+def genai_generate(og, model, prompts, generator_out: list | None = None) -> list[list[int]]:
+    """Greedy new tokens per row, as GenAI produces them (max_length: MAX_LENGTH)."""
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=MAX_LENGTH, batch_size=len(prompts))
+    generator = og.Generator(model, params)
+    generator.append_tokens(prompts)
+    while not generator.is_done():
+        generator.generate_next_token()
+    if generator_out is not None:
+        generator_out.append(generator)
+    return [[int(t) for t in generator.get_sequence(row)][PROMPT_LEN:] for row in range(len(prompts))]
+
+
+def run_script(script: str, *args) -> subprocess.CompletedProcess:
+    """Run ``script`` in a fresh interpreter; a signal (an abort) fails the test with the output."""
+    env = dict(os.environ, XDG_RUNTIME_DIR=os.environ.get("XDG_RUNTIME_DIR", "/tmp"))
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script), *map(str, args)], capture_output=True, text=True,
+                          timeout=180, env=env)
+    assert done.returncode >= 0, f"the process was killed by signal {-done.returncode} (an abort)\n{done.stdout}\n{done.stderr}"
+    assert done.returncode == 0, f"exit status {done.returncode}\n{done.stdout}\n{done.stderr}"
+    return done
+
+
+def bridge_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    return [node for node in model.graph.node if node.domain == BRIDGE_DOMAIN]
+
+
+# -- the folder -------------------------------------------------------------------------------
+def test_prepared_folder_links_the_loaded_library_and_shares_buffers(source, prepared):
+    assert os.path.samefile(prepared / LIBRARY.name, LIBRARY), "the library must be a hard link, not a copy"
+    config = json.loads((prepared / "genai_config.json").read_text())
+    assert config["model"]["decoder"]["session_options"]["custom_ops_library"] == LIBRARY.name
+    assert config["search"]["past_present_share_buffer"] is True
+    # Nothing else in the config changes.
+    original = json.loads((source / "genai_config.json").read_text())
+    original["model"]["decoder"]["session_options"]["custom_ops_library"] = LIBRARY.name
+    assert config == original
+    record = json.loads((prepared / genai_module.RECORD_FILE).read_text())
+    assert record["models"] == ["model.onnx"] and record["kv_check"] == "fast"
+
+
+def test_prepared_folder_copies_other_files_and_rewrites_the_model(source, prepared):
+    for name in ("tokenizer.json", "extra/notes.txt"):
+        assert (prepared / name).read_bytes() == (source / name).read_bytes(), name
+    model = onnx.load(str(prepared / "model.onnx"))
+    assert not [n for n in model.graph.node if n.op_type == "SparseAttention"]
+    stamped = {dict((a.name, a.s.decode()) for a in node.attribute)[KV_CHECK_ATTRIBUTE] for node in bridge_nodes(model)}
+    assert stamped == {"fast"}
+    # The dense layer stays ORT's GroupQueryAttention.
+    assert [n.op_type for n in model.graph.node if n.op_type == "GroupQueryAttention"] == ["GroupQueryAttention"]
+
+
+# -- tokens -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ort_kernel_tokens(og, source, prompts) -> list[list[int]]:
+    """GenAI on the unprepared folder: ONNX Runtime's own CPU SparseAttention kernel."""
+    return genai_generate(og, og.Model(str(source)), prompts)
+
+
+def test_genai_tokens_match_ort_cpu_kernel(og, prepared, prompts, ort_kernel_tokens):
+    generators = []
+    ours = genai_generate(og, sao.load_genai_model(prepared), prompts, generators)
+    assert [len(row) for row in ours] == [NEW_TOKENS] * len(prompts)
+    assert ours == ort_kernel_tokens, "GenAI: this op against ORT's CPU kernel"
+    # Shared buffers: the present GenAI hands back is the max_length-row buffer it binds as past.
+    present = generators[0].get_output("present.0.key")
+    assert present.shape == (len(prompts), CONFIG.kv_num_heads, MAX_LENGTH, CONFIG.head_size)
+
+
+def test_genai_tokens_match_generate(source, prompts, ort_kernel_tokens):
+    """sparse_attention_op.generate, on this op and on ORT's kernel in a plain session, gives GenAI's tokens."""
+    from sparse_attention_op.generation import generate
+
+    plain = ort.InferenceSession(str(source / "model.onnx"), providers=["CPUExecutionProvider"])
+    for label, model, options in (("ORT's kernel in a plain session", plain, {}), ("this op", source / "model.onnx", {"kv_check": "fast"})):
+        tokens = generate(model, prompts.tolist(), NEW_TOKENS, **options).tokens
+        assert [list(map(int, row)) for row in tokens] == ort_kernel_tokens, f"generate with {label} against GenAI"
+
+
+def test_exact_check_and_external_data_under_genai(og, source, prompts, tmp_path):
+    """kv_check="exact" is stamped and honoured; a source with external data keeps it."""
+    external = tmp_path / "external"
+    shutil.copytree(source, external)
+    model = onnx.load(str(external / "model.onnx"))
+    # The layouts go external too (prepare must read them from the data file); ORT wants the
+    # few-byte shape constants inline (it refuses external ones in shape inference).
+    onnx.save(model, str(external / "model.onnx"), save_as_external_data=True, location="model.onnx.data", size_threshold=64)
+    stored = onnx.load(str(external / "model.onnx"), load_external_data=False)
+    external_names = {t.name for t in stored.graph.initializer if onnx.external_data_helper.uses_external_data(t)}
+    assert {"block_row_indices", "block_col_indices"} <= external_names
+    target = sao.prepare_genai_folder(external, tmp_path / "prepared", kv_check="exact")
+    assert (target / "model.onnx.data").read_bytes() == (external / "model.onnx.data").read_bytes()
+    prepared = onnx.load(str(target / "model.onnx"), load_external_data=False)
+    assert any(onnx.external_data_helper.uses_external_data(t) for t in prepared.graph.initializer)
+    stamped = {dict((a.name, a.s.decode()) for a in node.attribute)[KV_CHECK_ATTRIBUTE] for node in bridge_nodes(prepared)}
+    assert stamped == {"exact"}
+    ours = genai_generate(og, sao.load_genai_model(target), prompts)
+    assert ours == genai_generate(og, og.Model(str(external)), prompts), "ORT's kernel on the external-data source"
+
+
+def test_gpu_state_freed_with_the_last_model_of_a_folder(og, prepared, prompts):
+    from sparse_attention_op.webgpu import get_executor
+
+    token = json.loads((prepared / genai_module.RECORD_FILE).read_text())["session_token"]
+    first, second = sao.load_genai_model(prepared), sao.load_genai_model(prepared)
+    genai_generate(og, first, prompts)
+    executor = get_executor()
+    assert any(key.startswith(token + "/") for key in executor.node_keys())
+    del first
+    gc.collect()
+    assert any(key.startswith(token + "/") for key in executor.node_keys()), "freed while a model of the folder lives"
+    del second
+    gc.collect()
+    assert not any(key.startswith(token + "/") for key in executor.node_keys())
+
+
+# -- refused calls: raised and logged, never an abort ---------------------------------------------
+def test_refused_call_under_genai_raises_and_logs(source, tmp_path):
+    # With past_present_share_buffer false GenAI feeds a zero-length past to the prompt
+    # step; the op refuses it, as ORT's own kernel does.
+    target = sao.prepare_genai_folder(source, tmp_path / "prepared")
+    for folder in (target, source):
+        config = json.loads((folder / "genai_config.json").read_text())
+        config["search"]["past_present_share_buffer"] = False
+        (tmp_path / f"{folder.name}.json").write_text(json.dumps(config))
+    unshared_source = tmp_path / "unshared_source"
+    shutil.copytree(source, unshared_source)
+    (unshared_source / "genai_config.json").write_text((tmp_path / "source.json").read_text())
+    (target / "genai_config.json").write_text((tmp_path / "prepared.json").read_text())
+    done = run_script(
+        """
+        import sys, numpy as np, onnxruntime_genai as og
+        import sparse_attention_op as sao
+        for label, load, folder in (("ort", og.Model, sys.argv[2]), ("sao", sao.load_genai_model, sys.argv[1])):
+            model = load(folder)
+            params = og.GeneratorParams(model)
+            params.set_search_options(max_length=32)
+            generator = og.Generator(model, params)
+            try:
+                generator.append_tokens(np.arange(2, 10, dtype=np.int32)[None])
+            except RuntimeError as error:
+                print(label, "RAISED", error)
+            else:
+                print(label, "NOT RAISED")
+        """,
+        target, unshared_source,
+    )
+    assert "ort RAISED" in done.stdout, done.stdout + done.stderr  # ORT's own kernel raises here
+    assert "sao RAISED" in done.stdout, done.stdout + done.stderr
+    # The op's own message reaches stderr through logging, naming the node and the rule.
+    assert "SparseAttention node 0:/model/layers.0/attn/SparseAttention refused a call" in done.stderr, done.stderr
+    assert "'total_sequence_length': must be <= past_key's max_cache_len = 0" in done.stderr, done.stderr
+
+
+def test_refused_call_under_plain_session_raises_and_logs(source):
+    done = run_script(
+        """
+        import sys, numpy as np, onnxruntime as ort
+        import sparse_attention_op as sao
+        from sparse_attention_op.session import session_options
+        path = sys.argv[1]
+        feeds = {"input_ids": np.arange(2, 6, dtype=np.int64)[None], "attention_mask": np.ones((1, 4), np.int64)}
+        for i in range(3):  # a zero-length past: no room for the prompt
+            for kind in ("key", "value"):
+                feeds[f"past_key_values.{i}.{kind}"] = np.zeros((1, 2, 0, 16), np.float32)
+        prepared = sao.prepare_model(path).SerializeToString()
+        for label, session in (("ort", ort.InferenceSession(path, providers=["CPUExecutionProvider"])),
+                               ("sao", ort.InferenceSession(prepared, session_options(), providers=["CPUExecutionProvider"]))):
+            try:
+                session.run(None, feeds)
+            except Exception as error:
+                print(label, "RAISED", type(error).__name__)
+            else:
+                print(label, "NOT RAISED")
+        """,
+        source / "model.onnx",
+    )
+    assert "ort RAISED" in done.stdout and "sao RAISED" in done.stdout, done.stdout + done.stderr
+    assert "/model/layers.0/attn/SparseAttention refused a call" in done.stderr, done.stderr
+    assert "must be <= past_key's max_cache_len = 0" in done.stderr, done.stderr
+
+
+def test_genai_without_register_fails_to_load(prepared):
+    # The library is loaded (GenAI loads it), but no PyOp was defined in this process.
+    done = run_script(
+        """
+        import sys, onnxruntime_genai as og
+        try:
+            og.Model(sys.argv[1])
+        except RuntimeError as error:
+            print("RAISED", error)
+        """,
+        prepared,
+    )
+    assert "RAISED" in done.stdout and "SparseAttentionPlan" in done.stdout, done.stdout + done.stderr
+
+
+# -- argument checks ---------------------------------------------------------------------------
+def test_prepare_checks_its_arguments(source, prepared, tmp_path):
+    with pytest.raises(ValueError, match="kv_check must be one of"):
+        sao.prepare_genai_folder(source, tmp_path / "x", kv_check="probe")
+    with pytest.raises(FileNotFoundError, match="source must be a GenAI model folder: no genai_config.json"):
+        sao.prepare_genai_folder(tmp_path, tmp_path.parent / "x")
+    with pytest.raises(ValueError, match="target must lie outside source"):
+        sao.prepare_genai_folder(source, source / "inside")
+    with pytest.raises(FileExistsError, match="pass overwrite=True"):
+        sao.prepare_genai_folder(source, prepared)
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="overwrite replaces only a GenAI model folder"):
+        sao.prepare_genai_folder(source, occupied, overwrite=True)
+    assert (occupied / "keep.txt").read_text() == "mine"
+    with pytest.raises(ValueError, match="already prepared"):
+        sao.prepare_genai_folder(prepared, tmp_path / "again")
+
+
+def test_prepare_refuses_another_custom_ops_library(source, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(source, other)
+    config = json.loads((other / "genai_config.json").read_text())
+    config["model"]["decoder"]["session_options"]["custom_ops_library"] = "libmine.so"
+    (other / "genai_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="already name custom_ops_library 'libmine.so'"):
+        sao.prepare_genai_folder(other, tmp_path / "target")
+    assert not (tmp_path / "target").exists()
+
+
+def test_overwrite_replaces_a_prepared_folder(source, tmp_path):
+    target = sao.prepare_genai_folder(source, tmp_path / "target")
+    (target / "stale.txt").write_text("from before")
+    first = json.loads((target / genai_module.RECORD_FILE).read_text())["session_token"]
+    sao.prepare_genai_folder(source, target, overwrite=True)
+    assert not (target / "stale.txt").exists()
+    assert json.loads((target / genai_module.RECORD_FILE).read_text())["session_token"] != first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["target"], "no staging folder left behind"
+
+
+def test_hard_link_failure_names_the_rule_and_leaves_nothing(source, tmp_path, monkeypatch):
+    def cross_device(src, dst):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(genai_module.os, "link", cross_device)
+    with pytest.raises(OSError, match="cannot hard-link onnxruntime-extensions' library") as raised:
+        sao.prepare_genai_folder(source, tmp_path / "target")
+    assert raised.value.errno == errno.EXDEV
+    assert "put target on the filesystem of" in str(raised.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_load_refuses_a_copied_library(prepared, tmp_path):
+    copied = tmp_path / "copied"
+    shutil.copytree(prepared, copied)  # cp -r: the library becomes a copy
+    with pytest.raises(RuntimeError, match="must be a hard link to onnxruntime-extensions' library"):
+        sao.load_genai_model(copied)
+    with pytest.raises(FileNotFoundError, match="prepare it with prepare_genai_folder"):
+        sao.load_genai_model(prepared.parent / "source")
+
+
+# -- the bundled models ---------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["phi3-small-tiny", "phi3-small-tiny-f16"])
+def test_bundled_models_under_genai(og, name, tmp_path):
+    """models/ as GenAI folders: float32 and float16, four layers (two of them GroupQueryAttention)."""
+    from sparse_attention_op.generation import first_divergence, generate
+
+    source = Path(__file__).resolve().parent.parent / "models" / name
+    prepared = sao.prepare_genai_folder(source, tmp_path / "prepared")
+    prompts = np.random.default_rng(5).integers(2, 512, (2, PROMPT_LEN)).astype(np.int32)
+    ours = genai_generate(og, sao.load_genai_model(prepared), prompts)
+    theirs = genai_generate(og, og.Model(str(source)), prompts)
+    eos = json.loads((source / "genai_config.json").read_text())["model"]["eos_token_id"]
+    mine = generate(source / "model.onnx", prompts.tolist(), NEW_TOKENS, stop_tokens=[eos]).tokens
+    # GenAI pads a row that stopped early; generate's rows end at their stop token.
+    assert [row[: len(mine[b])] for b, row in enumerate(ours)] == mine, f"{name}: GenAI against sparse_attention_op.generate"
+    if name.endswith("f16"):
+        # float16 logits tie often (one ulp is 0.008 at 10): ORT's float16 kernel rounds
+        # differently from this op (docs/genai.md), so tokens may part at a near-tie, never elsewhere.
+        plain = ort.InferenceSession(str(source / "model.onnx"), providers=["CPUExecutionProvider"])
+        divergence = first_divergence(plain, prompts.tolist(), ours, theirs)
+        assert divergence is None or divergence.near_tie, divergence.describe()
+    else:
+        assert ours == theirs, f"{name}: GenAI with this op against ORT's kernel"
