@@ -11,6 +11,7 @@ bridge never touches the GPU and the executor never parses ONNX.
 
 from .bridge import register
 from .genai import load_genai_model, prepare_genai_folder
+from .generation import GenerationError, GenerationResult, Sampling, generate
 from .io_binding import bind_shared
 from .model import prepare_model
 from .session import SparseAttentionSession, create_session
@@ -18,12 +19,16 @@ from .spec import SparseAttentionError, SparseAttentionInputError
 from .webgpu.executor import GpuExecutionError
 
 __all__ = [
+    "GenerationError",
+    "GenerationResult",
     "GpuExecutionError",
     "SparseAttentionError",
     "SparseAttentionInputError",
+    "Sampling",
     "SparseAttentionSession",
     "bind_shared",
     "create_session",
+    "generate",
     "load_genai_model",
     "prepare_genai_folder",
     "prepare_model",
