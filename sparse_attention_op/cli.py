@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--traceback", action="store_true", help="on failure, print the whole traceback instead of one line")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    def model_argument(p: argparse.ArgumentParser) -> None:
+        p.add_argument("model", metavar="MODEL", help="an .onnx file or an ORT GenAI model folder")
+
+    def kv_check_option(p: argparse.ArgumentParser, default: str) -> None:
+        p.add_argument("--kv-check", choices=["exact", "fast"], default=default, help="the cache check (default %(default)s)")
+
     def command(name: str, function, help_text: str, **kwargs) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text, **kwargs)
         p.set_defaults(func=function, subparser=p)
@@ -69,11 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="OUT", help="write the report as JSON to OUT ('-': stdout)")
 
     p = command("inspect", commands.inspect, "SparseAttention nodes, their attributes and inputs, layout densities, what runs where")
-    p.add_argument("model", metavar="MODEL", help="an .onnx file or an ORT GenAI model folder")
+    model_argument(p)
     p.add_argument("--json", metavar="OUT", help="write the report as JSON to OUT ('-': stdout)")
 
     p = command("run", commands.run, "run MODEL once on WebGPU with random (or given) feeds and report every output")
-    p.add_argument("model", metavar="MODEL", help="an .onnx file or an ORT GenAI model folder")
+    model_argument(p)
     p.add_argument("--feeds", type=Path, metavar="X.npz", help="feeds by graph input name (np.savez); default: random, unit scale")
     p.add_argument("--compare-ort", action="store_true", help="also run ONNX Runtime's own CPU kernels and compare every output")
     p.add_argument("--batch", type=_positive, default=1, help="rows of random feeds (default %(default)s)")
@@ -83,12 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-size", type=int, default=None, help="head size, for inputs that declare no shape")
     p.add_argument("--dim", type=_dim, action="append", default=[], metavar="NAME=SIZE", help="size of a symbolic dim (repeatable)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random feeds (default %(default)s)")
-    p.add_argument("--kv-check", choices=["exact", "fast"], default="exact", help="the cache check (default %(default)s)")
+    kv_check_option(p, "exact")
     p.add_argument("--repeat", type=_positive, default=1, help="runs to time (default %(default)s; the first compiles kernels)")
     p.add_argument("--save", type=Path, metavar="OUT.npz", help="write the outputs")
 
     p = command("generate", commands.generate, "generate tokens from prompt ids with a GenAI-convention decoder (shared KV buffers)")
-    p.add_argument("model", metavar="MODEL", help="an .onnx file or an ORT GenAI model folder")
+    model_argument(p)
     p.add_argument("--prompt-ids", type=_token_ids, action="append", required=True, metavar="IDS",
                    help="one prompt as comma-separated token ids; repeat for a batch (rows may differ in length)")
     p.add_argument("--max-new-tokens", type=_positive, default=32, help="new tokens per row at most (default %(default)s)")
@@ -103,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="with --sample: nucleus mass (default %(default)s)")
     p.add_argument("--seed", type=int, default=None, help="with --sample: seed of the draws")
     p.add_argument("--capacity", type=int, default=None, help="rows of each KV buffer (default: longest prompt + max new tokens)")
-    p.add_argument("--kv-check", choices=["exact", "fast"], default="fast", help="the cache check (default %(default)s)")
+    kv_check_option(p, "fast")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     p = command("bench", commands.bench, "the benchmark sweep (prefill and decode against torch and ORT CPU), with a PNG plot",

@@ -39,10 +39,10 @@ from onnx import external_data_helper
 from onnxruntime_extensions import get_library_path
 
 from .bridge import BRIDGE_DOMAIN, KV_CHECKS, register
+from .inspection import all_nodes
 from .model import is_sparse_attention, prepare_model
+from .model_files import GENAI_CONFIG
 from .spec import INPUT_NAMES
-
-GENAI_CONFIG = "genai_config.json"
 #: What prepare_genai_folder did, for load_genai_model and for people reading the folder.
 #: A separate file: GenAI's config parser rejects keys it does not know.
 RECORD_FILE = "sparse_attention_op.json"
@@ -239,7 +239,7 @@ def _load_structure(path: Path) -> onnx.ModelProto:
         # Its nodes carry another folder's token: prepare the original folder instead.
         raise ValueError(f"source: {path.name} is already prepared (it holds the bridge's ops); prepare the original folder")
     initializers = {init.name: init for init in model.graph.initializer}
-    for node in _all_nodes(model.graph):
+    for node in all_nodes(model.graph):
         if is_sparse_attention(node):
             for index in _LAYOUT_INPUTS:
                 tensor = initializers.get(node.input[index]) if index < len(node.input) else None
@@ -251,19 +251,11 @@ def _load_structure(path: Path) -> onnx.ModelProto:
 
 
 def _holds(model: onnx.ModelProto, predicate) -> bool:
-    return any(predicate(node) for node in _all_nodes(model.graph))
+    return any(predicate(node) for node in all_nodes(model.graph))
 
 
 def _is_bridge_op(node: onnx.NodeProto) -> bool:
     return node.domain == BRIDGE_DOMAIN
-
-
-def _all_nodes(graph) -> Iterator[onnx.NodeProto]:
-    for node in graph.node:
-        yield node
-        for attribute in node.attribute:
-            for sub in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs):
-                yield from _all_nodes(sub)
 
 
 # -- the library -----------------------------------------------------------------------------

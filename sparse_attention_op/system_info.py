@@ -10,18 +10,10 @@ import dataclasses
 import platform
 from importlib import metadata
 
-#: Limits the kernels read or raise (webgpu/device.py asks for these; tuning.py sizes tiles by them).
-KERNEL_LIMITS = (
-    "max-storage-buffer-binding-size",
-    "max-buffer-size",
-    "max-compute-workgroup-storage-size",
-    "max-storage-buffers-per-shader-stage",
-    "max-compute-invocations-per-workgroup",
-    "max-compute-workgroup-size-x",
-    "max-compute-workgroups-per-dimension",
-)
-#: Features the kernels use when present (webgpu/device.py requests them).
-KERNEL_FEATURES = ("shader-f16", "timestamp-query", "subgroup")
+# The limits the device is created with and the features it requests: what the kernels use.
+from .webgpu.device import OPTIONAL_FEATURES as KERNEL_FEATURES
+from .webgpu.device import RAISED_LIMITS as KERNEL_LIMITS
+
 #: Distributions whose versions matter to a bug report.
 DISTRIBUTIONS = ("sparse-attention-op", "onnxruntime", "onnxruntime-extensions", "wgpu", "onnx", "numpy")
 

@@ -23,7 +23,7 @@ _BACKEND_RANK = {"Vulkan": 0, "Metal": 0, "D3D12": 0, "OpenGL": 2}
 
 #: Limits raised to what the adapter offers: large caches need big storage bindings, and
 #: the attention pass's tiles want all the workgroup memory there is.
-_RAISED_LIMITS = (
+RAISED_LIMITS = (
     "max-storage-buffer-binding-size",
     "max-buffer-size",
     "max-compute-workgroup-storage-size",
@@ -33,7 +33,7 @@ _RAISED_LIMITS = (
     "max-compute-workgroups-per-dimension",
 )
 #: Features used when present: f16 storage for later kernels, GPU timestamps for benchmarks.
-_OPTIONAL_FEATURES = ("shader-f16", "timestamp-query", "subgroup")
+OPTIONAL_FEATURES = ("shader-f16", "timestamp-query", "subgroup")
 
 
 class NoAdapterError(RuntimeError):
@@ -90,8 +90,8 @@ def _create_context() -> GpuContext:
             "Vulkan driver (Debian/Ubuntu: apt-get install mesa-vulkan-drivers), or run `make setup`."
         )
     adapter = adapters[0]
-    limits = {name: adapter.limits[name] for name in _RAISED_LIMITS if name in adapter.limits}
-    features = [f for f in _OPTIONAL_FEATURES if f in adapter.features]
+    limits = {name: adapter.limits[name] for name in RAISED_LIMITS if name in adapter.limits}
+    features = [f for f in OPTIONAL_FEATURES if f in adapter.features]
     device = adapter.request_device_sync(required_features=features, required_limits=limits)
     return GpuContext(
         adapter=adapter,
