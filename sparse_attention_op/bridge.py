@@ -45,7 +45,7 @@ from onnxruntime_extensions import PyCustomOpDef, onnx_op
 from . import _ortx_compat
 from .cache_record import probe_chunks, probe_row_indices
 from .presents import scatter_indices
-from .spec import SHAPED_INPUTS, CallShape, OpAttributes, SparseAttentionError, assemble_call, describe_call
+from .spec import SHAPED_INPUTS, CallShape, OpAttributes, ShapeFacts, SparseAttentionError, assemble_call, describe_lengths, describe_shapes
 
 #: Domain of the bridge's own ops (they exist only in prepared models).
 BRIDGE_DOMAIN = "ai.sparse_attention_op"
@@ -180,19 +180,60 @@ def _shapes(arrays) -> dict:
     return shapes
 
 
-_described: dict[tuple, CallShape] = {}
+_shape_facts: dict[tuple, ShapeFacts] = {}
 
 
 def _describe(info: NodeInfo, shape_arrays, total, key_totals) -> CallShape:
-    """describe_call, remembered: the three ops of one node see the same shapes and lengths."""
-    key = (info.attributes, tuple(a.tobytes() for a in shape_arrays), total.tobytes(), total.shape, key_totals.tobytes(), key_totals.shape)
-    shape = _described.get(key)
-    if shape is None:
-        shape = describe_call(info.attributes, _shapes(shape_arrays), total, key_totals)
-        if len(_described) > 256:
-            _described.clear()
-        _described[key] = shape
-    return shape
+    """describe_call, remembered by shapes: a decode step has the shapes of the step before
+    it, so only the length rules run again."""
+    shapes_key = (info.attributes, b"".join(a.tobytes() for a in shape_arrays), tuple(len(a) for a in shape_arrays))
+    facts = _shape_facts.get(shapes_key)
+    if facts is None:
+        facts = describe_shapes(info.attributes, _shapes(shape_arrays))
+        if len(_shape_facts) > 256:
+            _shape_facts.clear()
+        _shape_facts[shapes_key] = facts
+    return describe_lengths(facts, total, key_totals)
+
+
+class _PlanRefused(Exception):
+    """The node's plan op refused this call (and recorded why): the later ops only poison."""
+
+
+class _Tickets:
+    """The call shape each node's plan op validated, for its check and kernel ops of the same run.
+
+    The plan op hands a ticket (a one-element int64 tensor) to the two later ops instead of
+    the eleven shape and length tensors they would otherwise take and describe again: fewer
+    inputs for the bridge to copy, no second description. Per thread: ORT runs the three ops
+    of one node on the thread that called ``run`` (sequential execution), in data order.
+    """
+
+    REFUSED = -1
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def issue(self, node_key: str, shape: CallShape) -> np.ndarray:
+        local = self._local
+        number = getattr(local, "count", 0) + 1
+        local.count = number
+        if not hasattr(local, "shapes"):
+            local.shapes = {}
+        local.shapes[node_key] = (number, shape)
+        return np.array([number], np.int64)
+
+    def redeem(self, node_key: str, ticket: np.ndarray) -> CallShape:
+        number = int(ticket.reshape(-1)[0]) if ticket.size == 1 else self.REFUSED
+        issued = getattr(self._local, "shapes", {}).get(node_key)
+        if number == self.REFUSED:
+            raise _PlanRefused()
+        if issued is None or issued[0] != number:
+            raise SparseAttentionError(f"SparseAttention: ticket {number} of node {node_key} was not issued by its plan op on this thread")
+        return issued[1]
+
+
+tickets = _Tickets()
 
 
 def _executor():
@@ -243,20 +284,21 @@ def plan_op(*inputs, **attributes):
         np.array([b * heads * capacity, h], np.int64),
         np.array([b, shape.seq_len, split_heads, h], np.int64),
         np.array(shape.output_shape, np.int64),
+        tickets.issue(info.node_key, shape),
     )
 
 
 def _plan_poison(inputs):
-    # An index no Gather accepts, and one-element Reshape targets no tensor here fits.
+    # An index no Gather accepts, one-element Reshape targets no tensor here fits, and a
+    # ticket that tells the later ops to poison their outputs too.
     one = np.ones(1, np.int64)
-    return np.array([_BAD_INDEX]), np.zeros(0, np.int64), np.zeros(1, np.int64), one, one, one
+    return np.array([_BAD_INDEX]), np.zeros(0, np.int64), np.zeros(1, np.int64), one, one, one, np.array([_Tickets.REFUSED], np.int64)
 
 
-def check_op(probe_key, probe_value, *inputs, **attributes):
+def check_op(probe_key, probe_value, ticket, **attributes):
     """Probe rows -> how many history rows must cross (0: the resident cache holds the past)."""
     info = node_info(attributes)
-    shape_arrays, (total, key_totals) = inputs[: len(SHAPED_INPUTS)], inputs[len(SHAPED_INPUTS) :]
-    shape = _describe(info, shape_arrays, total, key_totals)
+    shape = tickets.redeem(info.node_key, ticket)
     if shape.is_prompt:
         return (np.zeros(1, np.int64),)
     if info.kv_check == "fast":
@@ -275,10 +317,10 @@ def _check_poison(inputs):
     return (np.zeros(2, np.int64),)  # a Slice end of two entries for one axis: ORT refuses it
 
 
-def kernel_op(query, key, value, history_key, history_value, block_rows, block_cols, total, key_totals, cos_rows, sin_rows, *shape_arrays, **attributes):
+def kernel_op(query, key, value, history_key, history_value, block_rows, block_cols, cos_rows, sin_rows, ticket, **attributes):
     """The GPU call: output, rotated new key rows (empty without rotary), ScatterND indices."""
     info = node_info(attributes)
-    shape = _describe(info, shape_arrays, total, key_totals)
+    shape = tickets.redeem(info.node_key, ticket)
     layout_given = block_rows.shape[0] > 0
     rotary = shape.attributes.do_rotary
     call = assemble_call(
@@ -327,6 +369,8 @@ def _invoke(k_id, feed, attributes):
         # Our own ops parse the attribute strings themselves (once per node, see node_info).
         arguments = attributes if op.raw_attributes else op.opdef.cast_attributes(attributes)
         outputs = _as_fetch(op.opdef.body(*feed, **arguments))
+    except _PlanRefused:
+        outputs = _as_fetch(op.poison(feed))  # the plan op already recorded and logged why
     except BaseException as error:  # noqa: BLE001 - anything escaping here aborts the process
         node_key = str(attributes.get(NODE_KEY_ATTRIBUTE, ""))
         token = session_token(node_key)
@@ -373,9 +417,8 @@ def register() -> None:
         _ortx_compat.check_version()
         common = dict(attrs=_ATTRIBUTE_TYPES, raw_attributes=True)
         register_array_op(plan_op, _plan_poison, op_type=f"{BRIDGE_DOMAIN}::{PLAN_OP}", inputs=_SHAPES + [_I32, _I32],
-                          outputs=[_I64] * 6, **common)
-        register_array_op(check_op, _check_poison, op_type=f"{BRIDGE_DOMAIN}::{CHECK_OP}", inputs=[_F, _F] + _SHAPES + [_I32, _I32],
-                          outputs=[_I64], **common)
+                          outputs=[_I64] * 7, **common)
+        register_array_op(check_op, _check_poison, op_type=f"{BRIDGE_DOMAIN}::{CHECK_OP}", inputs=[_F, _F, _I64], outputs=[_I64], **common)
         register_array_op(kernel_op, _kernel_poison, op_type=f"{BRIDGE_DOMAIN}::{KERNEL_OP}",
-                          inputs=[_F, _F, _F, _F, _F, _I32, _I32, _I32, _I32, _F, _F] + _SHAPES, outputs=[_F, _F, _I64], **common)
+                          inputs=[_F, _F, _F, _F, _F, _I32, _I32, _F, _F, _I64], outputs=[_F, _F, _I64], **common)
         _registered = True

@@ -5,11 +5,10 @@ past_key/past_value in and gave the presents out would move four cache-sized ten
 call whatever the work (docs/design.md, "The graph around the op"). The rewrite keeps them
 native:
 
-    Shape x9 ---------------------------------------------+
-    total, key_totals --> SparseAttentionPlan --+--> probe rows, rotary window, layouts
-    past --Reshape(rows)--> Gather(probe rows) --> SparseAttentionCacheCheck --> history rows F
+    Shape x9, total, key_totals --> SparseAttentionPlan --> probe rows, rotary window, layouts, ticket
+    past --Reshape(rows)--> Gather(probe rows) --> SparseAttentionCacheCheck (ticket) --> history rows F
     past --Slice[0:F]--> history  \\
-    cos/sin --Gather[positions]-->  > SparseAttentionKernel --> output, new keys, indices
+    cos/sin --Gather[positions]-->  > SparseAttentionKernel (ticket) --> output, new keys, indices
     layout --Slice[0:layouts]-->   /    query, key, value -------^
     output --Reshape--> output
     past, indices, new keys --ScatterND--> present_key
@@ -108,15 +107,16 @@ def expand(plan: NodePlan) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]
     lengths = [inputs["total_sequence_length"], inputs["key_total_sequence_lengths"]]
 
     shapes = [b.add("Shape", [inputs[name]], f"shape_{name}") for name in SHAPED_INPUTS]
-    probe_rows, positions, layouts, past_rows_shape, split_shape, output_shape = b.add(
-        PLAN_OP, shapes + lengths, ["probe_rows", "positions", "layouts", "past_rows_shape", "split_shape", "output_shape"],
+    # The ticket hands the plan's validated call shape to the two later ops (bridge.tickets).
+    probe_rows, positions, layouts, past_rows_shape, split_shape, output_shape, ticket = b.add(
+        PLAN_OP, shapes + lengths, ["probe_rows", "positions", "layouts", "past_rows_shape", "split_shape", "output_shape", "ticket"],
         domain=BRIDGE_DOMAIN, **op_attributes)
 
     probes = []
     for name in ("past_key", "past_value"):
         flat = b.add("Reshape", [inputs[name], past_rows_shape], f"{name}_rows")
         probes.append(b.float32(b.add("Gather", [flat, probe_rows], f"{name}_probes", axis=0), f16))
-    history_rows = b.add(CHECK_OP, probes + shapes + lengths, "history_rows", domain=BRIDGE_DOMAIN, **op_attributes)
+    history_rows = b.add(CHECK_OP, probes + [ticket], "history_rows", domain=BRIDGE_DOMAIN, **op_attributes)
     history = [b.float32(b.add("Slice", [inputs[name], ZERO, history_rows, AXIS2], f"{name}_history"), f16) for name in ("past_key", "past_value")]
 
     if attrs.do_rotary:
@@ -126,7 +126,7 @@ def expand(plan: NodePlan) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]
     layout = [b.add("Slice", [inputs[name], ZERO, layouts, AXIS0], f"{name}_sent") for name in ("block_row_indices", "block_col_indices")]
     query, key, value = (b.float32(inputs[name], f16 and inputs[name] != ABSENT_FLOAT) for name in ("query", "key", "value"))
     attention, rotated_keys, indices = b.add(
-        KERNEL_OP, [query, key, value] + history + layout + lengths + rotary + shapes, ["attention", "rotated_keys", "scatter_indices"],
+        KERNEL_OP, [query, key, value] + history + layout + rotary + [ticket], ["attention", "rotated_keys", "scatter_indices"],
         domain=BRIDGE_DOMAIN, **op_attributes)
 
     # The output through a native Reshape to its full size: a refused call's short output

@@ -194,6 +194,25 @@ class CallShape:
         return (np.asarray(self.past_lengths, np.int64)[:, None] + np.arange(self.seq_len)).reshape(-1)
 
 
+@dataclass(frozen=True)
+class ShapeFacts:
+    """What a call's shapes alone determine (every shape rule passed): the part of
+    :class:`CallShape` that a decode step shares with the step before it."""
+
+    attributes: OpAttributes
+    batch_size: int
+    seq_len: int
+    head_size: int
+    query_hidden: int
+    max_cache_len: int
+    num_layout: int
+    max_blocks: int
+    max_nnz: int
+    packed_qkv: bool
+    rotary_dim: int
+    max_rotary_len: int  # cos_cache rows (0 without rotary)
+
+
 def describe_call(
     attributes: OpAttributes,
     shapes: Mapping[str, Shape | None],
@@ -203,8 +222,14 @@ def describe_call(
     """Validate what shapes and lengths determine; raise for the first broken rule.
 
     ``shapes`` gives each input of :data:`SHAPED_INPUTS` its shape, ``None`` for an absent
-    optional input (key/value when packed, cos/sin without rotary).
+    optional input (key/value when packed, cos/sin without rotary). The shape rules
+    (:func:`describe_shapes`) come first, then the length rules (:func:`describe_lengths`).
     """
+    return describe_lengths(describe_shapes(attributes, shapes), total_sequence_length, key_total_sequence_lengths)
+
+
+def describe_shapes(attributes: OpAttributes, shapes: Mapping[str, Shape | None]) -> ShapeFacts:
+    """Every rule that the inputs' shapes decide, in the order the inputs come."""
     nh, nkv = attributes.num_heads, attributes.kv_num_heads
     query = shapes["query"]
     if query is None or len(query) != 3:
@@ -254,51 +279,64 @@ def describe_call(
     if max_nnz > max_blocks * max_blocks:
         _fail("block_col_indices", f"max_nnz = {max_nnz} must not exceed max_blocks^2 = {max_blocks * max_blocks}")
 
+    rotary_dim, max_rotary_len = _check_rotary(shapes, attributes, head_size)
+
+    for name, size in (("past_key", int(np.prod(past_key))), ("query", int(np.prod(query)))):
+        if size > MAX_INDEX:
+            _fail(name, f"has {size} elements, more than 32-bit GPU indexing allows ({MAX_INDEX})")
+
+    return ShapeFacts(
+        attributes=attributes, batch_size=batch, seq_len=seq_len, head_size=head_size, query_hidden=hidden,
+        max_cache_len=max_cache_len, num_layout=num_layout, max_blocks=max_blocks, max_nnz=max_nnz, packed_qkv=packed,
+        rotary_dim=rotary_dim, max_rotary_len=max_rotary_len,
+    )
+
+
+def describe_lengths(facts: ShapeFacts, total_sequence_length: np.ndarray, key_total_sequence_lengths: np.ndarray) -> CallShape:
+    """Every rule that the two length inputs decide, given the shapes' facts: the call's shape."""
+    seq_len, batch = facts.seq_len, facts.batch_size
     total_tensor = np.asarray(total_sequence_length)
     if total_tensor.size != 1 or total_tensor.ndim > 1:
         _fail("total_sequence_length", f"must be a scalar or shape [1], got shape {total_tensor.shape}")
     total = int(total_tensor.reshape(-1)[0])
     if total < seq_len:
         _fail("total_sequence_length", f"must be >= the query's sequence length {seq_len}, got {total}")
-    if total > max_cache_len:
-        _fail("total_sequence_length", f"must be <= past_key's max_cache_len = {max_cache_len}, got {total}")
-    if max_blocks * attributes.sparse_block_size < total:
-        _fail("block_row_indices", f"max_blocks * sparse_block_size = {max_blocks * attributes.sparse_block_size} must cover total_sequence_length = {total}")
+    if total > facts.max_cache_len:
+        _fail("total_sequence_length", f"must be <= past_key's max_cache_len = {facts.max_cache_len}, got {total}")
+    covered = facts.max_blocks * facts.attributes.sparse_block_size
+    if covered < total:
+        _fail("block_row_indices", f"max_blocks * sparse_block_size = {covered} must cover total_sequence_length = {total}")
 
     key_totals_tensor = np.asarray(key_total_sequence_lengths)
     if key_totals_tensor.shape != (batch,):
         _fail("key_total_sequence_lengths", f"must have shape (batch,) = ({batch},), got {key_totals_tensor.shape}")
-    key_totals = tuple(int(v) for v in key_totals_tensor)
+    key_totals = tuple(int(v) for v in key_totals_tensor.tolist())
     is_prompt = total == seq_len
     low = 1 if is_prompt else seq_len
     for b, value in enumerate(key_totals):
         if not low <= value <= total:
             mode = "a prompt" if is_prompt else "a call with history"
             _fail("key_total_sequence_lengths", f"entry {b} = {value} must lie in [{low}, {total}] for {mode} (sequence length {seq_len}, total {total})")
-    past_lengths = tuple(0 if is_prompt else value - seq_len for value in key_totals)
-
-    rotary_dim = _check_rotary(shapes, attributes, head_size, total)
-
-    for name, size in (("past_key", int(np.prod(past_key))), ("query", int(np.prod(query)))):
-        if size > MAX_INDEX:
-            _fail(name, f"has {size} elements, more than 32-bit GPU indexing allows ({MAX_INDEX})")
+    past_lengths = (0,) * batch if is_prompt else tuple(value - seq_len for value in key_totals)
+    if facts.attributes.do_rotary and facts.max_rotary_len < total:
+        _fail("cos_cache", f"must hold at least total_sequence_length = {total} positions, got {facts.max_rotary_len}")
 
     return CallShape(
-        attributes=attributes,
+        attributes=facts.attributes,
         batch_size=batch,
         seq_len=seq_len,
-        head_size=head_size,
-        query_hidden=hidden,
-        max_cache_len=max_cache_len,
-        num_layout=num_layout,
-        max_blocks=max_blocks,
-        max_nnz=max_nnz,
-        packed_qkv=packed,
+        head_size=facts.head_size,
+        query_hidden=facts.query_hidden,
+        max_cache_len=facts.max_cache_len,
+        num_layout=facts.num_layout,
+        max_blocks=facts.max_blocks,
+        max_nnz=facts.max_nnz,
+        packed_qkv=facts.packed_qkv,
         total_sequence_length=total,
         is_prompt=is_prompt,
         past_lengths=past_lengths,
         key_totals=key_totals,
-        rotary_dim=rotary_dim,
+        rotary_dim=facts.rotary_dim,
     )
 
 
@@ -311,10 +349,11 @@ def _check_head_size(head_size: int) -> None:
         _fail("query", f"head_size above 256 is not supported, got {head_size}")
 
 
-def _check_rotary(shapes, attributes: OpAttributes, head_size: int, total: int) -> int:
+def _check_rotary(shapes, attributes: OpAttributes, head_size: int) -> tuple[int, int]:
+    """(rotary_dim, max_rotary_len) after the rotary shape rules; (0, 0) without rotary."""
     cos, sin = shapes["cos_cache"], shapes["sin_cache"]
     if not attributes.do_rotary:
-        return 0
+        return 0, 0
     if cos is None or sin is None:
         _fail("cos_cache" if cos is None else "sin_cache", "is required when do_rotary = 1")
     if head_size % 16:
@@ -326,9 +365,7 @@ def _check_rotary(shapes, attributes: OpAttributes, head_size: int, total: int) 
     half = cos[1]
     if half % 8 or half == 0 or half > head_size // 2:
         _fail("cos_cache", f"dimension 1 (rotary_dim / 2) must be a positive multiple of 8 and <= head_size / 2 = {head_size // 2}, got {half}")
-    if cos[0] < total:
-        _fail("cos_cache", f"must hold at least total_sequence_length = {total} positions, got {cos[0]}")
-    return 2 * half
+    return 2 * half, cos[0]
 
 
 def check_layout(block_row_indices: np.ndarray, block_col_indices: np.ndarray) -> None:

@@ -46,6 +46,8 @@ def test_prepare_model_rewrites_the_node_around_the_bridge_ops(rng):
     assert attrs[KV_CHECK_ATTRIBUTE] == b"fast" and attrs[LAYOUT_ATTRIBUTE] == b"constant"
     assert attrs[NODE_KEY_ATTRIBUTE].decode().endswith(":sparse_attention")
     assert node_attributes(plan)[NODE_KEY_ATTRIBUTE] == attrs[NODE_KEY_ATTRIBUTE] == node_attributes(check)[NODE_KEY_ATTRIBUTE]
+    # The later ops take the plan's ticket, not the shapes and lengths again.
+    assert plan.output[-1] == check.input[-1] == kernel.input[-1] and len(check.input) == 3
     # The graph's interface is unchanged, and native nodes produce every graph output.
     assert [i.name for i in prepared.graph.input] == [i.name for i in model.graph.input]
     assert [o.name for o in prepared.graph.output] == [o.name for o in model.graph.output]
@@ -319,3 +321,30 @@ def test_user_session_options_are_kept_and_reusable(executor, rng):
     second = sao.create_session(model, sess_options=options)  # registering twice would fail
     for session in (first, second):
         assert_matches_reference(session.run(None, graph_feeds(session, inputs)), inputs, config.node_attributes())
+
+
+def test_plan_tickets_belong_to_their_node_and_thread():
+    """The check and kernel ops take the plan op's ticket for the call shape it validated."""
+    from sparse_attention_op.bridge import _PlanRefused, _Tickets
+    from sparse_attention_op.spec import SparseAttentionError
+
+    tickets, shape = _Tickets(), object()
+    ticket = tickets.issue("token/node-a", shape)
+    assert tickets.redeem("token/node-a", ticket) is shape
+    for node, number in (("token/node-b", ticket), ("token/node-a", ticket + 1)):
+        with pytest.raises(SparseAttentionError, match="was not issued by its plan op on this thread"):
+            tickets.redeem(node, number)
+    with pytest.raises(_PlanRefused):
+        tickets.redeem("token/node-a", np.array([_Tickets.REFUSED], np.int64))
+    elsewhere = []
+
+    def redeem_on_another_thread():
+        try:
+            tickets.redeem("token/node-a", ticket)
+        except SparseAttentionError as error:
+            elsewhere.append(error)
+
+    thread = threading.Thread(target=redeem_on_another_thread)
+    thread.start()
+    thread.join()
+    assert len(elsewhere) == 1
