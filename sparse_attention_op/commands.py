@@ -211,7 +211,7 @@ class _StepProgress:
                 from tqdm import tqdm
             except ImportError:
                 return
-            self.bar = tqdm(total=total, unit="token", file=sys.stderr, leave=False, dynamic_ncols=True)
+            self.bar = tqdm(total=total, unit="token", file=sys.stderr, leave=False, dynamic_ncols=True, disable=None)
 
     def step(self, step: int, tokens) -> None:
         if self.bar is not None:

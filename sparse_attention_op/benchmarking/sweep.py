@@ -392,7 +392,7 @@ class Progress:
             self.tqdm, self.bar = None, None
         else:
             self.tqdm = tqdm
-            self.bar = tqdm(cases, unit="case", file=sys.stderr, dynamic_ncols=True,
+            self.bar = tqdm(cases, unit="case", file=sys.stderr, dynamic_ncols=True, disable=None,  # None: no bar off a terminal
                             bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]{postfix}")
 
     def __iter__(self):
