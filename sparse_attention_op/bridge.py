@@ -252,10 +252,16 @@ def _settings(info: NodeInfo):
 def _probes(info: NodeInfo, shape: CallShape) -> tuple[int, np.ndarray]:
     """The fast check's rows per chunk and probe chunks: computed once for the plan op and the
     check op of one call (they see the same node and shape)."""
-    chunk_rows = _executor().chunk_rows(shape, info.float16_storage, _settings(info))
+    chunk_rows = _chunk_rows(info, shape.head_size, _settings(info))
     probes = probe_chunks(shape.past_lengths, chunk_rows, shape.total_sequence_length)
     probes.flags.writeable = False
     return chunk_rows, probes
+
+
+@functools.lru_cache(maxsize=256)
+def _chunk_rows(info: NodeInfo, head_size: int, settings) -> int:
+    """Rows per digest chunk of the node's record: fixed by head size and cache dtype."""
+    return _executor().chunk_rows_for(head_size, info.float16_storage, settings)
 
 
 # -- the three ops ------------------------------------------------------------------------

@@ -91,6 +91,14 @@ class Digests:
         np.copyto(out, rows, casting="same_kind")
         return out
 
+    def of_chunks(self, rows: np.ndarray, chunks: int) -> np.ndarray:
+        """Digests of ``rows`` (lead..., chunks * chunk_rows, head) float32, whole chunks from
+        row 0: (lead..., chunks) uint64 in one product (``of`` for the general case)."""
+        if rows.dtype != np.float32 or not rows.flags.c_contiguous:
+            rows = self._contiguous(rows)
+        words = rows.view(np.uint64).reshape(*rows.shape[:-2], chunks, self.chunk_rows * self.words_per_row)
+        return words @ self.multipliers
+
     def of(self, rows: np.ndarray, offset: int = 0) -> np.ndarray:
         """Digest terms of ``rows`` (lead..., n, head) float32 placed from row ``offset`` of
         their first chunk: (lead..., chunks) uint64, one per chunk the rows touch."""
@@ -122,19 +130,20 @@ def probe_chunks(past_lengths: tuple[int, ...], chunk_rows: int, total_sequence_
     The chunks holding the last LAST_ROWS history rows, and SPREAD_CHUNKS spread evenly over
     the history from an offset that moves with the call (golden-ratio steps of the total
     length), so successive calls look at different places. Rows without history probe
-    chunk 0 (the check ignores them).
+    chunk 0 (the check ignores them). Plain Python: a handful of ints per batch row.
     """
     last = -(-LAST_ROWS // chunk_rows) + 1  # the last rows may straddle one more chunk
     phase = (total_sequence_length * _GOLDEN) % 1.0
-    probes = np.zeros((len(past_lengths), last + SPREAD_CHUNKS), np.int64)
-    for b, past in enumerate(past_lengths):
+    rows = []
+    for past in past_lengths:
         chunks = -(-past // chunk_rows)
         if chunks == 0:
+            rows.append([0] * (last + SPREAD_CHUNKS))
             continue
-        tail = np.arange(chunks - last, chunks)
-        spread = ((np.arange(SPREAD_CHUNKS) + phase) * chunks / SPREAD_CHUNKS).astype(np.int64)
-        probes[b] = np.clip(np.concatenate([tail, spread]), 0, chunks - 1)
-    return probes
+        tail = [min(max(chunk, 0), chunks - 1) for chunk in range(chunks - last, chunks)]
+        spread = [min(int((i + phase) * chunks / SPREAD_CHUNKS), chunks - 1) for i in range(SPREAD_CHUNKS)]
+        rows.append(tail + spread)
+    return np.array(rows, np.int64).reshape(len(past_lengths), last + SPREAD_CHUNKS)
 
 
 def probe_row_indices(probes: np.ndarray, chunk_rows: int, kv_heads: int, max_cache_len: int) -> np.ndarray:
@@ -180,25 +189,33 @@ class CacheRecord:
         """Fast check: lengths match and every probe chunk's digest matches the record.
 
         ``probe_key``/``probe_value`` hold the rows of ``probes`` (batch, probes) chunks as
-        (batch, kv_heads, probes * chunk_rows, head), gathered from the caller's past.
+        (batch, kv_heads, probes * chunk_rows, head), gathered from the caller's past. A
+        decode step calls this once per node, so it spends as few numpy calls as it can.
         """
         c = self.chunk_rows
-        past = np.asarray(past_lengths, np.int64)
-        live = past > 0
-        if not np.array_equal(self.valid[live], past[live]):
+        held = self.valid.tolist()
+        live = [b for b, past in enumerate(past_lengths) if past > 0]
+        if any(held[b] != past_lengths[b] for b in live):
             return False
-        if not live.any():
+        if not live:
             return True
-        if probes.max(initial=0) >= self._chunks["key"].shape[2]:
+        if int(probes.max()) >= self._chunks["key"].shape[2]:
             return False
+        batch, count = probes.shape
+        table_index = (np.arange(batch)[:, None, None], np.arange(self.kv_heads)[None, :, None], probes[:, None, :])
         # Rows of a chunk at or beyond the history's end are zeroed: a zero word adds nothing
-        # to a digest, so a zero-padded chunk has the digest of its history prefix.
-        beyond = (probes[:, :, None] * c + np.arange(c)) >= past[:, None, None]  # (batch, probes, rows)
-        beyond = beyond.reshape(len(past), 1, -1, 1)
+        # to a digest, so a zero-padded chunk has the digest of its history prefix. Only a
+        # history that ends inside a chunk has such rows.
+        beyond = None
+        if any(past_lengths[b] % c for b in live):
+            beyond = ((probes[:, :, None] * c + np.arange(c)) >= np.asarray(past_lengths)[:, None, None]).reshape(batch, 1, -1, 1)
+        every_row_live = len(live) == batch
         for name, rows in (("key", probe_key), ("value", probe_value)):
-            digests = self.digests.of(np.where(beyond, np.float32(0), rows))  # (batch, heads, probes)
-            recorded = np.take_along_axis(self._chunks[name], probes[:, None, :], axis=2)
-            if not np.array_equal(digests[live], recorded[live]):
+            if beyond is not None:
+                rows = np.where(beyond, np.float32(0), rows)
+            digests = self.digests.of_chunks(rows, count)  # (batch, heads, probes)
+            recorded = self._chunks[name][table_index]
+            if not (np.array_equal(digests, recorded) if every_row_live else np.array_equal(digests[live], recorded[live])):
                 return False
         return True
 
@@ -255,18 +272,21 @@ class CacheRecord:
 
     def _append_one_row(self, past: np.ndarray, new_key: np.ndarray, new_value: np.ndarray) -> None:
         """append() for a decode step, every batch row at once: one new row each."""
-        assert np.array_equal(self.valid, past), "the record must describe the call's past before rows are appended"
+        assert self.valid.tolist() == past.tolist(), "the record must describe the call's past before rows are appended"
         c, wpr = self.chunk_rows, self.digests.words_per_row
         batch = np.arange(self.batch)
         chunks, positions = past // c, past % c
-        # The multipliers of each row's position inside its chunk: (batch, words per row).
-        multipliers = self.digests.multipliers.reshape(c, wpr)[positions]
+        # The multipliers of each row's position inside its chunk: (batch, words per row, 1).
+        multipliers = self.digests.multipliers.reshape(c, wpr)[positions][:, :, None]
+        starts = positions == 0
         for name, rows in (("key", new_key), ("value", new_value)):
             words = np.ascontiguousarray(rows[:, :, 0], dtype=np.float32).view(np.uint64)  # (batch, heads, wpr)
-            terms = np.einsum("bhw,bw->bh", words, multipliers)  # uint64, wrapping modulo 2**64
+            terms = (words @ multipliers)[:, :, 0]  # (batch, heads) uint64, wrapping modulo 2**64
             table = self._chunks[name]
-            held = np.where(positions[:, None] == 0, np.uint64(0), table[batch, :, chunks])
-            table[batch, :, chunks] = held + terms
+            if starts.all():
+                table[batch, :, chunks] = terms  # every row starts a chunk: nothing held there
+            else:
+                table[batch, :, chunks] = np.where(starts[:, None], np.uint64(0), table[batch, :, chunks]) + terms
         self.valid[:] = past + 1
 
     def _reserve(self, rows: int) -> None:

@@ -341,3 +341,47 @@ def test_uploads_through_the_staging_buffer(executor, rng, monkeypatch, kv_check
     generation.next()
     assert generation.step().history_rows_uploaded > 0
     generation.step()
+
+
+# -- the record's fast paths against its general ones (pure host code) -------------------------
+@pytest.mark.parametrize("head_size, itemsize", [(128, 4), (16, 2), (64, 4)])
+def test_record_fast_paths_equal_the_general_ones(rng, head_size, itemsize):
+    """Whole-chunk digests, one-row appends and the probe list: the decode step's short cuts
+    give what the general code gives (a wrong short cut would pass the fast check wrongly)."""
+    from sparse_attention_op.cache_record import LAST_ROWS, SPREAD_CHUNKS, CacheRecord
+
+    batch, heads = 3, 2
+    general = CacheRecord(batch, heads, head_size, itemsize, max_rows=512)
+    fast = CacheRecord(batch, heads, head_size, itemsize, max_rows=512)
+    c = general.chunk_rows
+    rows = rng.standard_normal((batch, heads, 5 * c, head_size), dtype=np.float32)
+    assert np.array_equal(general.digests.of_chunks(rows, 5), general.digests.of(rows))
+    # A prompt of different lengths per row, then decode steps: one-row appends (fast)
+    # against appends of the same rows one call at a time through the general path.
+    lengths = [7, 2 * c, 1]
+    prompt = rng.standard_normal((batch, heads, max(lengths), head_size), dtype=np.float32)
+    for record in (general, fast):
+        record.append((0, 0, 0), tuple(lengths), prompt, prompt)
+    for _ in range(2 * c + 1):
+        new = rng.standard_normal((batch, heads, 1, head_size), dtype=np.float32)
+        past = tuple(int(v) for v in fast.valid)
+        fast.append(past, tuple(p + 1 for p in past), new, new)
+        # A second, unused row sends the same append down the general path (one row of two).
+        padded = np.concatenate([new, np.full_like(new, np.nan)], axis=2)
+        general.append(past, tuple(p + 1 for p in past), padded, padded)
+    for name in ("key", "value"):
+        assert np.array_equal(fast._chunks[name], general._chunks[name]), name
+    # Probe chunks: the tail chunks of the last LAST_ROWS rows and SPREAD_CHUNKS spread ones,
+    # clipped to the history, as a plain numpy formula computes them.
+    for past_lengths, total in (((0, 5, 300), 301), ((1,), 2), ((4097, 64), 4098)):
+        probes = probe_chunks(past_lengths, c, total)
+        last = -(-LAST_ROWS // c) + 1
+        phase = (total * (np.sqrt(5) - 1) / 2) % 1.0
+        for b, past in enumerate(past_lengths):
+            chunks = -(-past // c)
+            if chunks == 0:
+                assert not probes[b].any()
+                continue
+            expected = np.clip(np.concatenate([np.arange(chunks - last, chunks),
+                                               ((np.arange(SPREAD_CHUNKS) + phase) * chunks / SPREAD_CHUNKS).astype(np.int64)]), 0, chunks - 1)
+            assert probes[b].tolist() == expected.tolist(), (past_lengths, b)

@@ -147,11 +147,11 @@ class WebGPUExecutor:
                 return False
             return state.cache.record.probes_agree(shape.past_lengths, probes, probe_key, probe_value)
 
-    def chunk_rows(self, shape: CallShape, float16_storage: bool = False, settings: ExecutionSettings = ExecutionSettings()) -> int:
-        """Rows per digest chunk of this node's record (what the fast check probes)."""
+    def chunk_rows_for(self, head_size: int, float16_storage: bool = False, settings: ExecutionSettings = ExecutionSettings()) -> int:
+        """Rows per digest chunk of a record of ``head_size`` rows in the cache dtype these settings give."""
         from ..cache_record import chunk_rows_for
 
-        return chunk_rows_for(shape.head_size, np.dtype(self._cache_dtype(float16_storage, settings)).itemsize)
+        return chunk_rows_for(head_size, np.dtype(self._cache_dtype(float16_storage, settings)).itemsize)
 
     def run(self, call: SparseAttentionCall, node_key: str = "default", settings: ExecutionSettings = ExecutionSettings(),
             *, reuse_host_arrays: bool = False) -> CallResult:
