@@ -135,15 +135,18 @@ def run(args: argparse.Namespace) -> int:
 def generate(args: argparse.Namespace) -> int:
     """Greedy or sampled generation from the given prompt ids; optionally against ORT CPU."""
     from . import model_files
-    from .generation import Divergence, Sampling, first_divergence, generate as generate_tokens
+    from .generation import Divergence, Sampling, cache_dims_of, first_divergence, generate as generate_tokens
     from .session import create_session
 
     files = model_files.resolve(args.model)
     prompts = args.prompt_ids
     stops = _stop_tokens(args, files)
     sampling = Sampling(do_sample=args.sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    session = create_session(model_files.load(files), kv_check=args.kv_check)
-    options = dict(stop_tokens=stops, pad_token_id=_pad_token(files), sampling=sampling, capacity=args.capacity)
+    model = model_files.load(files)
+    session = create_session(model, kv_check=args.kv_check)
+    dims = cache_dims_of(model)
+    options = dict(stop_tokens=stops, pad_token_id=_pad_token(files), sampling=sampling, capacity=args.capacity,
+                   cache_dims=dims if None not in dims else None)
     with _StepProgress(args.max_new_tokens, not args.no_progress) as progress:
         result = generate_tokens(session, prompts, args.max_new_tokens, on_step=progress.step, **options)
     document = {"tokens": result.tokens, "ms_per_token": result.ms_per_token}
@@ -157,7 +160,7 @@ def generate(args: argparse.Namespace) -> int:
         plain, reference = _ort_tokens(files, prompts, args.max_new_tokens, options)
         document["ort_cpu_tokens"] = reference
         if not args.sample:
-            divergence = first_divergence(plain, prompts, result.tokens, reference)
+            divergence = first_divergence(plain, prompts, result.tokens, reference, options["cache_dims"])
         elif reference != result.tokens:
             divergence = "sampled tokens differ (the draws are seeded alike; compare greedy runs to judge)"
         if divergence is None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
 from .model import ModelLike, load_model
@@ -111,9 +112,13 @@ class _DecoderIO:
     has_position_ids: bool
     other_inputs: tuple[str, ...]
     vocab_size: int | None  # logits' last dim where the model fixes it
+    id_dtypes: tuple[np.dtype, np.dtype, np.dtype]  # input_ids, attention_mask, position_ids (int64 or int32)
 
     @staticmethod
-    def of(session: ort.InferenceSession) -> "_DecoderIO":
+    def of(session: ort.InferenceSession, hints: dict | None = None) -> "_DecoderIO":
+        """The session's convention; ``hints`` ({"kv_heads", "head_size"}, from the model or its
+        genai_config.json) stand in for cache dims the session declares symbolic."""
+        hints = hints or {}
         inputs = {i.name: i for i in session.get_inputs()}
         outputs = {o.name for o in session.get_outputs()}
         for name in (INPUT_IDS, ATTENTION_MASK):
@@ -140,10 +145,14 @@ class _DecoderIO:
                 present = PRESENT.format(layer=layer, kind=kind)
                 if present not in outputs:
                     raise GenerationError(f"the model has no output '{present}' for input '{graph_input.name}'")
-                shape = graph_input.shape
+                shape = list(graph_input.shape)
+                if len(shape) == 4:
+                    for axis, hint in ((1, "kv_heads"), (3, "head_size")):
+                        if not isinstance(shape[axis], int) and hints.get(hint):
+                            shape[axis] = hints[hint]
                 if len(shape) != 4 or not all(isinstance(d, int) for d in (shape[1], shape[3])):
                     raise GenerationError(f"input '{graph_input.name}' must be [batch, kv_heads, rows, head_size] with fixed kv_heads and "
-                                          f"head_size, got {shape}")
+                                          f"head_size, got {graph_input.shape} (pass the model itself, or an ORT GenAI folder, so they can be read there)")
                 shapes.add((shape[1], shape[3], graph_input.type))
         if len(shapes) != 1:
             raise GenerationError(f"every past must have one kv_heads, head_size and type; the model has {sorted(shapes)}")
@@ -152,8 +161,16 @@ class _DecoderIO:
         if type_name not in dtypes:
             raise GenerationError(f"past caches of type {type_name} are not supported (float or float16)")
         known = {INPUT_IDS, ATTENTION_MASK, POSITION_IDS} | {i.name for i in pasts.values()}
+        integers = {"tensor(int64)": np.dtype(np.int64), "tensor(int32)": np.dtype(np.int32)}
+        id_dtypes = []
+        for name in (INPUT_IDS, ATTENTION_MASK, POSITION_IDS):
+            declared = inputs[name].type if name in inputs else "tensor(int64)"
+            if declared not in integers:
+                raise GenerationError(f"input '{name}' must be int64 or int32, the model declares {declared}")
+            id_dtypes.append(integers[declared])
         return _DecoderIO(layers, kv_heads, head_size, np.dtype(dtypes[type_name]), POSITION_IDS in inputs,
-                          tuple(name for name in inputs if name not in known), vocab if isinstance(vocab, int) else None)
+                          tuple(name for name in inputs if name not in known), vocab if isinstance(vocab, int) else None,
+                          tuple(id_dtypes))
 
 
 def generate(
@@ -168,10 +185,11 @@ def generate(
     capacity: int | None = None,
     kv_check: str = "fast",
     on_step: Callable[[int, list[int | None]], None] | None = None,
+    cache_dims: tuple[int, int] | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` new tokens for every prompt.
 
-    ``model``: an ONNX model in the GenAI convention (a path, bytes or ModelProto: run
+    ``model``: an ONNX model in the GenAI convention (a path, an ORT GenAI folder, bytes or a ModelProto: run
     through :func:`~sparse_attention_op.create_session` with ``kv_check``), or an
     ``InferenceSession`` to use as it is (a plain one runs ONNX Runtime's own kernels).
     ``prompts``: token ids per row, as lists of any lengths, or a 2-D integer array whose
@@ -180,6 +198,8 @@ def generate(
     ``pad_token_id`` until every row is done. ``capacity``: rows of each KV buffer (default:
     the longest prompt plus ``max_new_tokens``; the model's context length bounds it).
     ``on_step(step, new_tokens)`` is called after every token (None for finished rows).
+    ``cache_dims``: (kv_heads, head_size) of the caches, for a session whose pasts leave them
+    symbolic (given a model or folder, generate reads them there: :func:`cache_dims_of`).
     """
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise GenerationError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
@@ -190,8 +210,10 @@ def generate(
     capacity = longest + max_new_tokens if capacity is None else capacity
     if not isinstance(capacity, int) or capacity < longest + max_new_tokens:
         raise GenerationError(f"capacity must hold the longest prompt plus max_new_tokens = {longest + max_new_tokens} rows, got {capacity!r}")
-    session = _session(model, kv_check)
-    io = _DecoderIO.of(session)
+    session, hints = _session(model, kv_check)
+    if cache_dims is not None:
+        hints = {"kv_heads": cache_dims[0], "head_size": cache_dims[1]}
+    io = _DecoderIO.of(session, hints)
     if io.other_inputs:
         raise GenerationError(f"the model takes input(s) generate does not know how to feed: {', '.join(io.other_inputs)}")
     if io.vocab_size is not None:
@@ -255,14 +277,15 @@ class _Loop:
         batch, seq = ids.shape
         width = int(key_totals.max())
         mask = (np.arange(width)[None, :] < key_totals[:, None]).astype(np.int64)
+        ids_dtype, mask_dtype, positions_dtype = self.io.id_dtypes
         binding = self.session.io_binding()
-        binding.bind_cpu_input(INPUT_IDS, np.ascontiguousarray(ids))
-        binding.bind_cpu_input(ATTENTION_MASK, mask)
+        binding.bind_cpu_input(INPUT_IDS, np.ascontiguousarray(ids, ids_dtype))
+        binding.bind_cpu_input(ATTENTION_MASK, mask.astype(mask_dtype))
         if self.io.has_position_ids:
             # A prompt's tokens sit at 0..seq-1 (padding included); later tokens end at key_totals - 1.
             first = np.zeros_like(key_totals) if width == seq else key_totals - seq
             positions = first[:, None] + np.arange(seq)[None, :]
-            binding.bind_cpu_input(POSITION_IDS, positions.astype(np.int64))
+            binding.bind_cpu_input(POSITION_IDS, positions.astype(positions_dtype))
         binding.bind_output(LOGITS)  # first bound, so first of get_outputs()
         for (layer, kind), value in self._caches.items():
             binding.bind_ortvalue_input(f"past_key_values.{layer}.{kind}", value)
@@ -271,16 +294,40 @@ class _Loop:
         return binding.get_outputs()[0].numpy().astype(np.float32, copy=False)
 
 
-def _session(model, kv_check: str) -> ort.InferenceSession:
+def _session(model, kv_check: str) -> tuple[ort.InferenceSession, dict]:
+    """(the session, hints for cache dims it may declare symbolic)."""
     if isinstance(model, ort.InferenceSession):
-        return model
+        return model, {}
     from .session import create_session
 
     if isinstance(model, (str, os.PathLike)) and os.path.isdir(model):
         from .model_files import resolve
 
         model = resolve(model).onnx_path  # an ORT GenAI folder: its decoder
-    return create_session(load_model(model), kv_check=kv_check)
+    proto = load_model(model)
+    kv_heads, head_size = cache_dims_of(proto)
+    return create_session(proto, kv_check=kv_check), {"kv_heads": kv_heads, "head_size": head_size}
+
+
+def cache_dims_of(model: onnx.ModelProto) -> tuple[int | None, int | None]:
+    """(kv_heads, head_size) of the model's caches: as the pasts declare them, else from the
+    first attention node that reads a past (its kv_num_heads, and the head size the shapes
+    ONNX can infer give); None where neither says."""
+    from .feeds import GQA, _declared_head_size
+    from .inspection import declared_tensors
+    from .model import is_sparse_attention, node_attributes
+
+    for graph_input in model.graph.input:
+        if _PAST.match(graph_input.name) and graph_input.type.tensor_type.HasField("shape"):
+            dims = graph_input.type.tensor_type.shape.dim
+            if len(dims) == 4 and dims[1].HasField("dim_value") and dims[3].HasField("dim_value"):
+                return dims[1].dim_value, dims[3].dim_value
+    for node in model.graph.node:
+        if (is_sparse_attention(node) or (node.domain, node.op_type) == GQA) and len(node.input) > 3 and _PAST.match(node.input[3]):
+            attributes = node_attributes(node)
+            packed = len(node.input) < 2 or not node.input[1]
+            return int(attributes.get("kv_num_heads", 0)) or None, _declared_head_size(node, attributes, packed, declared_tensors(model))
+    return None, None
 
 
 def _prompt_rows(prompts, attention_mask) -> list[list[int]]:
@@ -386,9 +433,10 @@ class Divergence:
 
 
 def first_divergence(reference: ort.InferenceSession, prompts: Sequence[Sequence[int]], ours: Sequence[Sequence[int]],
-                     theirs: Sequence[Sequence[int]]) -> Divergence | None:
+                     theirs: Sequence[Sequence[int]], cache_dims: tuple[int, int] | None = None) -> Divergence | None:
     """The first (row, step) where greedy tokens ``ours`` and ``theirs`` differ, judged by the
-    ``reference`` session (the run that produced ``theirs``); None when they are identical."""
+    ``reference`` session (the run that produced ``theirs``); None when they are identical.
+    ``cache_dims`` as for :func:`generate`."""
     for row, (prompt, mine, other) in enumerate(zip(prompts, ours, theirs)):
         step = next((i for i, (a, b) in enumerate(zip(mine, other)) if a != b), None)
         if step is None:
@@ -397,7 +445,7 @@ def first_divergence(reference: ort.InferenceSession, prompts: Sequence[Sequence
             step = min(len(mine), len(other))
             return Divergence(row, step, mine[step] if step < len(mine) else None, other[step] if step < len(other) else None, 0.0, 0.0)
         context = list(prompt) + list(other[:step])
-        io = _DecoderIO.of(reference)
+        io = _DecoderIO.of(reference, {} if cache_dims is None else {"kv_heads": cache_dims[0], "head_size": cache_dims[1]})
         loop = _Loop(reference, io, 1, len(context))
         logits = loop.step(np.array([context], np.int64), np.array([len(context)]))[0, -1].astype(np.float64)
         top = float(np.abs(logits).max())

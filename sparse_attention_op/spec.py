@@ -20,6 +20,7 @@ contract"), plus those its CPU kernel misses.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -131,14 +132,9 @@ def _flag(attrs: Mapping[str, object], name: str) -> bool:
 
 
 @dataclass(frozen=True)
-class CallShape:
-    """Every fact about one call that its shapes and lengths determine.
-
-    ``past_lengths[b]`` is how many cache rows of batch row ``b`` precede this call's
-    tokens; its new rows land at ``[past, past + seq_len)``. In a prompt it is 0 for every
-    row, and rows ``t >= key_totals[b]`` of the prompt are padding (written to the cache all
-    the same, as ORT does, but never history: the next call's past ends at ``key_totals[b]``).
-    """
+class ShapeFacts:
+    """What a call's shapes alone determine (every shape rule passed): the part of
+    :class:`CallShape` that a decode step shares with the step before it."""
 
     attributes: OpAttributes
     batch_size: int
@@ -150,11 +146,25 @@ class CallShape:
     max_blocks: int
     max_nnz: int
     packed_qkv: bool
+    rotary_dim: int
+    max_rotary_len: int  # cos_cache rows (0 without rotary)
+
+
+@dataclass(frozen=True)
+class CallShape(ShapeFacts):
+    """Every fact about one call that its shapes and lengths determine: the shapes' facts and
+    the lengths.
+
+    ``past_lengths[b]`` is how many cache rows of batch row ``b`` precede this call's
+    tokens; its new rows land at ``[past, past + seq_len)``. In a prompt it is 0 for every
+    row, and rows ``t >= key_totals[b]`` of the prompt are padding (written to the cache all
+    the same, as ORT does, but never history: the next call's past ends at ``key_totals[b]``).
+    """
+
     total_sequence_length: int
     is_prompt: bool
     past_lengths: tuple[int, ...]
     key_totals: tuple[int, ...]
-    rotary_dim: int
 
     @property
     def scale(self) -> float:
@@ -192,25 +202,6 @@ class CallShape:
         """Absolute position of every new token, (batch * seq_len,) in (batch row, token) order:
         the cos/sin rows a rotary call reads, one per token."""
         return (np.asarray(self.past_lengths, np.int64)[:, None] + np.arange(self.seq_len)).reshape(-1)
-
-
-@dataclass(frozen=True)
-class ShapeFacts:
-    """What a call's shapes alone determine (every shape rule passed): the part of
-    :class:`CallShape` that a decode step shares with the step before it."""
-
-    attributes: OpAttributes
-    batch_size: int
-    seq_len: int
-    head_size: int
-    query_hidden: int
-    max_cache_len: int
-    num_layout: int
-    max_blocks: int
-    max_nnz: int
-    packed_qkv: bool
-    rotary_dim: int
-    max_rotary_len: int  # cos_cache rows (0 without rotary)
 
 
 def describe_call(
@@ -321,23 +312,8 @@ def describe_lengths(facts: ShapeFacts, total_sequence_length: np.ndarray, key_t
     if facts.attributes.do_rotary and facts.max_rotary_len < total:
         _fail("cos_cache", f"must hold at least total_sequence_length = {total} positions, got {facts.max_rotary_len}")
 
-    return CallShape(
-        attributes=facts.attributes,
-        batch_size=batch,
-        seq_len=seq_len,
-        head_size=facts.head_size,
-        query_hidden=facts.query_hidden,
-        max_cache_len=facts.max_cache_len,
-        num_layout=facts.num_layout,
-        max_blocks=facts.max_blocks,
-        max_nnz=facts.max_nnz,
-        packed_qkv=facts.packed_qkv,
-        total_sequence_length=total,
-        is_prompt=is_prompt,
-        past_lengths=past_lengths,
-        key_totals=key_totals,
-        rotary_dim=facts.rotary_dim,
-    )
+    shared = {f.name: getattr(facts, f.name) for f in dataclasses.fields(ShapeFacts)}
+    return CallShape(**shared, total_sequence_length=total, is_prompt=is_prompt, past_lengths=past_lengths, key_totals=key_totals)
 
 
 def _check_head_size(head_size: int) -> None:

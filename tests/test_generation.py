@@ -206,3 +206,34 @@ def test_first_divergence_tells_a_near_tie_from_a_real_difference(rng):
     assert not divergence.near_tie and divergence.gap > 1 and "a real difference" in divergence.describe()
     stopped = first_divergence(plain, prompts, [theirs[0][:4]], theirs)
     assert stopped.step == 4 and stopped.ours is None and not stopped.near_tie
+
+
+def test_symbolic_cache_dims_int32_ids_and_position_ids(rng, tmp_path, capsys):
+    """A decoder exported differently: int32 ids and mask, caches whose kv heads and head size
+    are symbolic, a position_ids input. generate reads the dims from the graph's attention nodes."""
+    from onnx import TensorProto, helper
+
+    from sparse_attention_op import cli
+
+    path = MODELS / "phi3-small-tiny" / "model.onnx"
+    model = onnx.load(str(path))
+    for value in list(model.graph.input) + list(model.graph.output):
+        tensor = value.type.tensor_type
+        if value.name in ("input_ids", "attention_mask"):
+            tensor.elem_type = TensorProto.INT32  # Gather and ReduceSum take int32 as they are
+        elif value.name.startswith(("past_key_values.", "present.")):
+            tensor.shape.dim[1].dim_param, tensor.shape.dim[3].dim_param = "kv_heads", "head_size"
+    model.graph.input.append(helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch_size", "sequence_length"]))
+    exported = tmp_path / "exported.onnx"
+    onnx.save(model, str(exported))
+    prompts = prompts_of(rng, (13, 6))
+    expected = generate(str(path), prompts, 10).tokens
+    assert generate(str(exported), prompts, 10).tokens == expected
+    plain = ort.InferenceSession(str(exported), providers=["CPUExecutionProvider"])
+    with pytest.raises(GenerationError, match="fixed kv_heads and head_size"):
+        generate(plain, prompts, 10)
+    assert generate(plain, prompts[:1], 10, cache_dims=(2, 16)).tokens == expected[:1]
+    code = cli.main(["generate", str(exported), "--prompt-ids", ",".join(map(str, prompts[0])), "--max-new-tokens", "10",
+                     "--compare-ort", "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0 and "identical tokens" in out, out
