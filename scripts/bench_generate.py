@@ -33,7 +33,7 @@ import onnxruntime as ort
 
 import sparse_attention_op as sao
 from sparse_attention_op.decoder_models import DecoderConfig, build_decoder
-from sparse_attention_op.generation import first_divergence, generate
+from sparse_attention_op.generation import divergences, generate
 from sparse_attention_op.webgpu import get_context
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
@@ -65,8 +65,13 @@ def run_case(name: str, prompt_len: int, rows: int, new_tokens: int, sessions: d
     generate(plain, prompts, 2)
     ours = generate(ours_session, prompts, new_tokens)
     theirs = generate(plain, prompts, new_tokens)
-    divergence = first_divergence(plain, prompts, ours.tokens, theirs.tokens)
-    agree = "identical" if divergence is None else ("near-tie at token %d" % divergence.step if divergence.near_tie else "DIFFERENT")
+    found = divergences(plain, prompts, ours.tokens, theirs.tokens)
+    if not found:
+        agree = "identical"
+    elif all(d.near_tie for d in found):
+        agree = "near-tie at token " + ", ".join(str(d.step) for d in found)
+    else:
+        agree = "DIFFERENT"
     return {
         "model": name, "prompt": prompt_len, "rows": rows, "new_tokens": new_tokens,
         "ours_prompt_ms": 1e3 * ours.prompt_seconds, "ort_prompt_ms": 1e3 * theirs.prompt_seconds,

@@ -207,30 +207,40 @@ class _Tickets:
     the eleven shape and length tensors they would otherwise take and describe again: fewer
     inputs for the bridge to copy, no second description. Per thread: ORT runs the three ops
     of one node on the thread that called ``run`` (sequential execution), in data order.
+    A session's entries go when it closes (:meth:`forget`).
     """
 
     REFUSED = -1
 
     def __init__(self):
-        self._local = threading.local()
+        self._issued: dict[tuple[int, str], tuple[int, CallShape]] = {}
+        self._count = 0
+        # Re-entrant: a session's finaliser (forget) can run inside issue on the same thread.
+        self._lock = threading.RLock()
 
     def issue(self, node_key: str, shape: CallShape) -> np.ndarray:
-        local = self._local
-        number = getattr(local, "count", 0) + 1
-        local.count = number
-        if not hasattr(local, "shapes"):
-            local.shapes = {}
-        local.shapes[node_key] = (number, shape)
+        with self._lock:
+            self._count += 1
+            number = self._count
+            self._issued[(threading.get_ident(), node_key)] = (number, shape)
         return np.array([number], np.int64)
 
     def redeem(self, node_key: str, ticket: np.ndarray) -> CallShape:
         number = int(ticket.reshape(-1)[0]) if ticket.size == 1 else self.REFUSED
-        issued = getattr(self._local, "shapes", {}).get(node_key)
         if number == self.REFUSED:
             raise _PlanRefused()
+        issued = self._issued.get((threading.get_ident(), node_key))
         if issued is None or issued[0] != number:
-            raise SparseAttentionError(f"SparseAttention: ticket {number} of node {node_key} was not issued by its plan op on this thread")
+            raise SparseAttentionError(
+                f"SparseAttention: ticket {number} of node {node_key} was not issued by its plan op on this thread: the node's "
+                "three ops must run on one thread, in order (sequential execution, which sparse_attention_op.session.session_options() sets)")
         return issued[1]
+
+    def forget(self, token: str) -> None:
+        """Drop the entries of a closed session's nodes (every thread's)."""
+        with self._lock:
+            for key in [key for key in self._issued if session_token(key[1]) == token]:
+                del self._issued[key]
 
 
 tickets = _Tickets()

@@ -8,6 +8,7 @@ mistake); --traceback shows the whole Python traceback instead.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -24,14 +25,11 @@ EPILOG = """examples:
 
 
 def _token_ids(text: str) -> list[int]:
-    """``5,17,33`` -> [5, 17, 33]."""
-    try:
-        ids = [int(part) for part in text.replace(" ", "").split(",") if part != ""]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated token ids such as 5,17,33, got {text!r}") from None
-    if not ids or min(ids) < 0:
-        raise argparse.ArgumentTypeError(f"expected non-negative comma-separated token ids such as 5,17,33, got {text!r}")
-    return ids
+    """``5,17,33`` (or ``"5 17 33"``) -> [5, 17, 33]; an empty part is a mistake, not skipped."""
+    parts = re.split(r"\s*,\s*|\s+", text.strip())
+    if not text.strip() or any(not part.isdigit() for part in parts):
+        raise argparse.ArgumentTypeError(f"expected non-negative token ids separated by commas or spaces, such as 5,17,33, got {text!r}")
+    return [int(part) for part in parts]
 
 
 def _dim(text: str) -> tuple[str, int]:
@@ -86,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=_positive, default=8, help="new tokens per row (default %(default)s)")
     p.add_argument("--past", type=int, default=0, help="history rows before them (default %(default)s: a prompt)")
     p.add_argument("--capacity", type=int, default=None, help="rows of each KV cache input (default: past + seq)")
-    p.add_argument("--head-size", type=int, default=None, help="head size, for inputs that declare no shape")
+    p.add_argument("--head-size", type=int, default=None, help="head size, where the model's shapes do not say it")
     p.add_argument("--dim", type=_dim, action="append", default=[], metavar="NAME=SIZE", help="size of a symbolic dim (repeatable)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random feeds (default %(default)s)")
     kv_check_option(p, "exact")
@@ -143,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    import onnxruntime as ort
+
+    # ORT's own error log would repeat, in colour and before it, what the one line says.
+    ort.set_default_logger_severity(4)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "bench":

@@ -68,8 +68,7 @@ def run(args: argparse.Namespace) -> int:
     files = model_files.resolve(args.model)
     model = model_files.load(files)
     if args.feeds:
-        with np.load(args.feeds) as archive:
-            feeds = check_feeds(model, {name: archive[name] for name in archive.files}, str(args.feeds))
+        feeds = check_feeds(model, _read_npz(args.feeds), str(args.feeds))
         notes = []
     else:
         settings = FeedSettings(batch=args.batch, seq=args.seq, past=args.past, capacity=args.capacity,
@@ -125,8 +124,9 @@ def run(args: argparse.Namespace) -> int:
         print("\nnote: the feeds' rows have different lengths; ORT's own CPU kernel gets those wrong (docs/design.md section 1),"
               " so differences there are expected", file=sys.stderr)
     if args.save:
-        np.savez(args.save, **outputs)
-        print(f"\nwrote {args.save}")
+        saved = args.save if str(args.save).endswith(".npz") else Path(f"{args.save}.npz")  # np.savez's own rule
+        np.savez(saved, **outputs)
+        print(f"\nwrote {saved}")
     if failed:
         raise RuntimeError("; ".join(failed))
     return 0
@@ -135,45 +135,67 @@ def run(args: argparse.Namespace) -> int:
 def generate(args: argparse.Namespace) -> int:
     """Greedy or sampled generation from the given prompt ids; optionally against ORT CPU."""
     from . import model_files
-    from .generation import Divergence, Sampling, cache_dims_of, first_divergence, generate as generate_tokens
-    from .session import create_session
+    from .generation import Sampling, cache_dims_of, divergences, generate as generate_tokens
 
     files = model_files.resolve(args.model)
     prompts = args.prompt_ids
     stops = _stop_tokens(args, files)
     sampling = Sampling(do_sample=args.sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     model = model_files.load(files)
-    session = create_session(model, kv_check=args.kv_check)
     dims = cache_dims_of(model)
     options = dict(stop_tokens=stops, pad_token_id=_pad_token(files), sampling=sampling, capacity=args.capacity,
                    cache_dims=dims if None not in dims else None)
     with _StepProgress(args.max_new_tokens, not args.no_progress) as progress:
-        result = generate_tokens(session, prompts, args.max_new_tokens, on_step=progress.step, **options)
+        # The model itself, not a session: generate then checks the prompt against its context.
+        result = generate_tokens(model, prompts, args.max_new_tokens, on_step=progress.step, kv_check=args.kv_check, **options)
     document = {"tokens": result.tokens, "ms_per_token": result.ms_per_token}
-    print(f"model: {files.onnx_path}")
+    # The report goes to stderr when the JSON takes stdout.
+    report = sys.stderr if args.json == "-" else sys.stdout
+    print(f"model: {files.onnx_path}", file=report)
     for b, (prompt, tokens) in enumerate(zip(prompts, result.tokens)):
-        print(f"row {b}: prompt {','.join(map(str, prompt))} -> {','.join(map(str, tokens))} ({result.finish_reasons[b]})")
-    print(f"{result.ms_per_token:.2f} ms per token (decode step), {result.tokens_per_second:.1f} tokens/s over "
-          f"{len(prompts)} row(s); prompt {1e3 * result.prompt_seconds:.1f} ms (includes compiling the kernels)")
-    divergence = None
+        print(f"row {b}: prompt {','.join(map(str, prompt))} -> {','.join(map(str, tokens))} ({result.finish_reasons[b]})", file=report)
+    if result.step_seconds:
+        print(f"{result.ms_per_token:.2f} ms per token (decode step), {result.tokens_per_second:.1f} tokens/s over "
+              f"{len(prompts)} row(s); prompt {1e3 * result.prompt_seconds:.1f} ms (includes compiling the kernels)", file=report)
+    else:
+        print(f"one token per row, from the prompt: {1e3 * result.prompt_seconds:.1f} ms (includes compiling the kernels)", file=report)
+    failures = []
     if args.compare_ort:
         plain, reference = _ort_tokens(files, prompts, args.max_new_tokens, options)
         document["ort_cpu_tokens"] = reference
-        if not args.sample:
-            divergence = first_divergence(plain, prompts, result.tokens, reference, options["cache_dims"])
-        elif reference != result.tokens:
-            divergence = "sampled tokens differ (the draws are seeded alike; compare greedy runs to judge)"
-        if divergence is None:
-            print("ONNX Runtime's CPU kernel: identical tokens")
-        elif isinstance(divergence, Divergence) and divergence.near_tie:
-            print(f"ONNX Runtime's CPU kernel: identical up to {divergence.describe()}; the runs follow different paths after it")
-            divergence = None
+        if args.sample:
+            # Seeded draws match only when both runs draw the same sequence: one batch, one seed.
+            same = "identical" if reference == result.tokens else "different"
+            print(f"ONNX Runtime's CPU kernel: {same} sampled tokens (not judged: sampled runs agree only with --seed "
+                  "and prompts of one length, and only while their probabilities do)", file=report)
+        else:
+            found = divergences(plain, prompts, result.tokens, reference, options["cache_dims"])
+            failures = [d for d in found if not d.near_tie]
+            if not found:
+                print("ONNX Runtime's CPU kernel: identical tokens", file=report)
+            for d in found:
+                verdict = "DIFFERENT" if d in failures else "identical up to a near-tie"
+                print(f"ONNX Runtime's CPU kernel: {verdict}: {d.describe()}" + ("" if d in failures else "; the runs follow different paths after it"),
+                      file=report)
     if args.json:
         _write_json(document, args.json)
-    if divergence is not None:
-        detail = divergence.describe() if isinstance(divergence, Divergence) else divergence
-        raise RuntimeError(f"tokens differ from ONNX Runtime's CPU kernel: {detail}")
+    if failures:
+        raise RuntimeError("tokens differ from ONNX Runtime's CPU kernel: " + "; ".join(d.describe() for d in failures))
     return 0
+
+
+def _read_npz(path: Path) -> dict:
+    """The arrays of an .npz archive by name; a clear error for anything else."""
+    from .feeds import FeedError
+
+    try:
+        loaded = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as error:
+        raise FeedError(f"--feeds {path}: not an .npz archive of arrays (np.savez writes one): {error}") from None
+    if not isinstance(loaded, np.lib.npyio.NpzFile):
+        raise FeedError(f"--feeds {path}: a single array, not an .npz archive of arrays named as the graph's inputs (np.savez writes one)")
+    with loaded as archive:
+        return {name: archive[name] for name in archive.files}
 
 
 def _stop_tokens(args, files) -> list[int]:
@@ -280,6 +302,8 @@ def adapters(args: argparse.Namespace) -> int:
 def demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
+    if args.model is not None and not (Path(args.model) / "genai_config.json").is_file():
+        raise ValueError(f"--model {args.model}: the demo runs an ORT GenAI decoder folder (such as models/phi3-small-tiny)")
     return 0 if run_demo(args.model, prompt_len=args.prompt, steps=args.steps) else 1
 
 

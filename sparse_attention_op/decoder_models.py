@@ -278,7 +278,8 @@ def build_decoder(config: DecoderConfig) -> onnx.ModelProto:
         inputs += [helper.make_tensor_value_info(name % i, elem, cache_in) for name in (PAST_KEY, PAST_VALUE)]
         outputs += [helper.make_tensor_value_info(name % i, elem, cache_out) for name in (PRESENT_KEY, PRESENT_VALUE)]
     graph = helper.make_graph(g.nodes, "phi3small_tiny_decoder", inputs, outputs, initializers)
-    model = finish_model(graph)
+    # onnx's checker does not know ORT's SimplifiedLayerNormalization (an ORT schema in the ONNX domain).
+    model = finish_model(graph, check=c.norm == "layer")
     # The config travels with the model, so a reader knows what it is looking at.
     helper.set_model_props(model, {"sparse_attention_op.decoder_config": json.dumps(asdict(c), sort_keys=True)})
     return model
@@ -355,10 +356,11 @@ def write_model_folder(config: DecoderConfig, folder: str | os.PathLike, filenam
     if not isinstance(filename, str) or not filename or Path(filename).name != filename:
         raise ValueError(f"filename must be a plain file name, got {filename!r}")
     folder = Path(folder)
+    data, config_text = model_bytes(config), genai_config_text(config, filename)  # built first: a failure writes nothing
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / filename
-    path.write_bytes(model_bytes(config))
-    (folder / "genai_config.json").write_text(genai_config_text(config, filename))
+    path.write_bytes(data)
+    (folder / "genai_config.json").write_text(config_text)
     return path
 
 

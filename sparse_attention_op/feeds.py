@@ -229,6 +229,8 @@ def _shape(graph_input: onnx.ValueInfoProto, use: _Use | None, settings: FeedSet
         else:
             label = f"dim '{name}'" if name else "an unnamed dim"
             hint = f"pass --dim {name}=N" if name else "pass --feeds"
+            if use is not None and use.slot in ("query", "key", "value", "past_key", "past_value", "cos_cache", "sin_cache"):
+                hint += ", or --head-size N (the model does not say its head size)"
             raise FeedError(f"cannot size {label} (axis {axis}) of graph input '{graph_input.name}': {hint}")
     return tuple(shape)
 

@@ -19,6 +19,7 @@ docs/genai.md, "Limitations").
 
 from __future__ import annotations
 
+import numbers
 import os
 import re
 import time
@@ -56,9 +57,11 @@ class Sampling:
     seed: int | None = None
 
     def validate(self) -> None:
+        if not self.do_sample:
+            return  # greedy: the other fields are not used
         if not self.temperature > 0:
             raise GenerationError(f"temperature must be > 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise GenerationError(f"top_k must be an int >= 0 (0: no limit), got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
             raise GenerationError(f"top_p must lie in (0, 1], got {self.top_p!r}")
@@ -116,8 +119,8 @@ class _DecoderIO:
 
     @staticmethod
     def of(session: ort.InferenceSession, hints: dict | None = None) -> "_DecoderIO":
-        """The session's convention; ``hints`` ({"kv_heads", "head_size"}, from the model or its
-        genai_config.json) stand in for cache dims the session declares symbolic."""
+        """The session's convention; ``hints`` ({"kv_heads", "head_size"}, read from the model's
+        attention nodes by :func:`cache_dims_of`) stand in for cache dims the session declares symbolic."""
         hints = hints or {}
         inputs = {i.name: i for i in session.get_inputs()}
         outputs = {o.name for o in session.get_outputs()}
@@ -152,7 +155,7 @@ class _DecoderIO:
                             shape[axis] = hints[hint]
                 if len(shape) != 4 or not all(isinstance(d, int) for d in (shape[1], shape[3])):
                     raise GenerationError(f"input '{graph_input.name}' must be [batch, kv_heads, rows, head_size] with fixed kv_heads and "
-                                          f"head_size, got {graph_input.shape} (pass the model itself, or an ORT GenAI folder, so they can be read there)")
+                                          f"head_size, got {graph_input.shape} (pass the model itself, so generate reads them from its attention nodes, or cache_dims=)")
                 shapes.add((shape[1], shape[3], graph_input.type))
         if len(shapes) != 1:
             raise GenerationError(f"every past must have one kv_heads, head_size and type; the model has {sorted(shapes)}")
@@ -201,18 +204,24 @@ def generate(
     ``cache_dims``: (kv_heads, head_size) of the caches, for a session whose pasts leave them
     symbolic (given a model or folder, generate reads them there: :func:`cache_dims_of`).
     """
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
         raise GenerationError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    max_new_tokens = int(max_new_tokens)
     sampling.validate()
     rows = _prompt_rows(prompts, attention_mask)
     stops = _token_set(stop_tokens, "stop_tokens")
     longest = max(map(len, rows))
     capacity = longest + max_new_tokens if capacity is None else capacity
-    if not isinstance(capacity, int) or capacity < longest + max_new_tokens:
-        raise GenerationError(f"capacity must hold the longest prompt plus max_new_tokens = {longest + max_new_tokens} rows, got {capacity!r}")
+    if not _is_int(capacity) or capacity < longest + max_new_tokens:
+        raise GenerationError(f"capacity must be an int that holds the longest prompt plus max_new_tokens = {longest + max_new_tokens} rows, got {capacity!r}")
+    capacity = int(capacity)
     session, hints = _session(model, kv_check)
+    context = hints.get("context_length")
+    if context is not None and capacity > context:
+        raise GenerationError(f"the longest prompt ({longest}) plus max_new_tokens ({max_new_tokens}) needs {capacity} cache rows, "
+                              f"more than the model's context of {context} tokens (its cos/sin rows and layout)")
     if cache_dims is not None:
-        hints = {"kv_heads": cache_dims[0], "head_size": cache_dims[1]}
+        hints = {**hints, "kv_heads": cache_dims[0], "head_size": cache_dims[1]}
     io = _DecoderIO.of(session, hints)
     if io.other_inputs:
         raise GenerationError(f"the model takes input(s) generate does not know how to feed: {', '.join(io.other_inputs)}")
@@ -306,7 +315,31 @@ def _session(model, kv_check: str) -> tuple[ort.InferenceSession, dict]:
         model = resolve(model).onnx_path  # an ORT GenAI folder: its decoder
     proto = load_model(model)
     kv_heads, head_size = cache_dims_of(proto)
-    return create_session(proto, kv_check=kv_check), {"kv_heads": kv_heads, "head_size": head_size}
+    hints = {"kv_heads": kv_heads, "head_size": head_size, "context_length": context_length_of(proto)}
+    return create_session(proto, kv_check=kv_check), hints
+
+
+def context_length_of(model: onnx.ModelProto) -> int | None:
+    """The most tokens the model's SparseAttention nodes accept, where constants fix it: the
+    rows of a constant cos_cache (with rotary) and a constant layout's block rows times the
+    block size. None where nothing constant bounds it."""
+    from .model import is_sparse_attention, node_attributes
+    from .spec import INPUT_NAMES
+
+    constants = {init.name: init for init in model.graph.initializer}
+    bounds = []
+    for node in model.graph.node:
+        if not is_sparse_attention(node):
+            continue
+        named = dict(zip(INPUT_NAMES, node.input))
+        attributes = node_attributes(node)
+        rows = constants.get(named.get("block_row_indices", ""))
+        if rows is not None and len(rows.dims) == 2:
+            bounds.append((rows.dims[1] - 1) * int(attributes.get("sparse_block_size", 0)))
+        cos = constants.get(named.get("cos_cache", ""))
+        if attributes.get("do_rotary") and cos is not None and cos.dims:
+            bounds.append(int(cos.dims[0]))
+    return min(bounds) if bounds else None
 
 
 def cache_dims_of(model: onnx.ModelProto) -> tuple[int | None, int | None]:
@@ -333,14 +366,19 @@ def cache_dims_of(model: onnx.ModelProto) -> tuple[int | None, int | None]:
 def _prompt_rows(prompts, attention_mask) -> list[list[int]]:
     """The prompts as lists of ids, padding removed (a mask's zeros on either side)."""
     if isinstance(prompts, np.ndarray) or attention_mask is not None:
-        ids = np.asarray(prompts)
+        try:
+            ids = np.asarray(prompts)
+        except ValueError:
+            raise GenerationError("prompts given with an attention_mask must be one padded 2-D array (batch, seq)") from None
         if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer) or ids.shape[0] < 1 or ids.shape[1] < 1:
             raise GenerationError(f"prompts given as an array must be 2-D integer (batch, seq), got shape {ids.shape} dtype {ids.dtype}")
         if attention_mask is None:
             return [list(map(int, row)) for row in ids]
         mask = np.asarray(attention_mask)
-        if mask.shape != ids.shape or not np.isin(mask, (0, 1)).all():
-            raise GenerationError(f"attention_mask must be 0/1 of the prompts' shape {ids.shape}, got shape {mask.shape}")
+        if mask.shape != ids.shape:
+            raise GenerationError(f"attention_mask must have the prompts' shape {ids.shape}, got shape {mask.shape}")
+        if not np.isin(mask, (0, 1)).all():
+            raise GenerationError(f"attention_mask must hold only 0 (padding) and 1 (token), got values {sorted(set(np.unique(mask).tolist()) - {0, 1})[:5]}")
         rows = []
         for b, row_mask in enumerate(mask.astype(bool)):
             kept = np.flatnonzero(row_mask)
@@ -384,6 +422,9 @@ def _check_ids(rows, stops, pad_token_id, vocab: int) -> None:
 
 def _choose(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> np.ndarray:
     """The next token of every row from its logits (batch, vocab)."""
+    finite = np.isfinite(logits).all(axis=-1)
+    if not finite.all():
+        raise GenerationError(f"the model's logits of row(s) {np.flatnonzero(~finite).tolist()} are not finite (NaN or inf)")
     if not sampling.do_sample:
         return np.argmax(logits, axis=-1)
     scores = logits.astype(np.float64) / sampling.temperature
@@ -432,20 +473,22 @@ class Divergence:
                 f"token {self.gap:.3g} higher (its logits resolve {self.resolution:.3g} there): {kind}")
 
 
-def first_divergence(reference: ort.InferenceSession, prompts: Sequence[Sequence[int]], ours: Sequence[Sequence[int]],
-                     theirs: Sequence[Sequence[int]], cache_dims: tuple[int, int] | None = None) -> Divergence | None:
-    """The first (row, step) where greedy tokens ``ours`` and ``theirs`` differ, judged by the
-    ``reference`` session (the run that produced ``theirs``); None when they are identical.
-    ``cache_dims`` as for :func:`generate`."""
+def divergences(reference: ort.InferenceSession, prompts: Sequence[Sequence[int]], ours: Sequence[Sequence[int]],
+                theirs: Sequence[Sequence[int]], cache_dims: tuple[int, int] | None = None) -> list[Divergence]:
+    """Per row whose greedy tokens ``ours`` and ``theirs`` differ, where they first do, judged
+    by the ``reference`` session (the run that produced ``theirs``); empty when every row is
+    identical. The runs agree when each entry is a near-tie. ``cache_dims`` as for :func:`generate`."""
+    found = []
+    hints = {} if cache_dims is None else {"kv_heads": cache_dims[0], "head_size": cache_dims[1]}
     for row, (prompt, mine, other) in enumerate(zip(prompts, ours, theirs)):
         step = next((i for i, (a, b) in enumerate(zip(mine, other)) if a != b), None)
         if step is None:
-            if len(mine) == len(other):
-                continue
-            step = min(len(mine), len(other))
-            return Divergence(row, step, mine[step] if step < len(mine) else None, other[step] if step < len(other) else None, 0.0, 0.0)
+            if len(mine) != len(other):
+                step = min(len(mine), len(other))
+                found.append(Divergence(row, step, mine[step] if step < len(mine) else None, other[step] if step < len(other) else None, 0.0, 0.0))
+            continue
         context = list(prompt) + list(other[:step])
-        io = _DecoderIO.of(reference, {} if cache_dims is None else {"kv_heads": cache_dims[0], "head_size": cache_dims[1]})
+        io = _DecoderIO.of(reference, hints)
         loop = _Loop(reference, io, 1, len(context))
         logits = loop.step(np.array([context], np.int64), np.array([len(context)]))[0, -1].astype(np.float64)
         top = float(np.abs(logits).max())
@@ -453,5 +496,9 @@ def first_divergence(reference: ort.InferenceSession, prompts: Sequence[Sequence
             resolution = 2 * 2.0 ** (np.floor(np.log2(max(top, 2.0**-14))) - 10)
         else:
             resolution = 1e-4 * max(1.0, top)
-        return Divergence(row, step, int(mine[step]), int(other[step]), float(logits[other[step]] - logits[mine[step]]), float(resolution))
-    return None
+        found.append(Divergence(row, step, int(mine[step]), int(other[step]), float(logits[other[step]] - logits[mine[step]]), float(resolution)))
+    return found
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))

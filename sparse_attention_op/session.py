@@ -19,9 +19,11 @@ _REGISTERED_MARK = "sparse_attention_op.custom_ops_registered"
 
 def _close_session(token: str) -> None:
     """Finaliser of a session: forget its records, queue its nodes' GPU state for freeing (never blocks)."""
+    from .bridge import tickets
     from .webgpu import executor as executor_module
 
     records.close(token)
+    tickets.forget(token)
     executor = executor_module._executor.peek()
     if executor is not None:
         executor.release_later(token + "/")

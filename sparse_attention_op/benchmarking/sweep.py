@@ -532,6 +532,8 @@ def resolve_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> a
     args.reps = reps if args.reps is None else args.reps
     if args.reps < 1:
         parser.error("--reps must be at least 1")
+    if args.json == "-":
+        parser.error("--json needs a file path here: the sweep's table takes stdout")
     if args.plot:
         try:
             import matplotlib  # noqa: F401  (checked before the sweep, not after it)
