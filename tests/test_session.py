@@ -348,3 +348,17 @@ def test_plan_tickets_belong_to_their_node_and_thread():
     thread.start()
     thread.join()
     assert len(elsewhere) == 1
+
+
+def test_a_closed_session_leaves_no_tickets(executor, rng):
+    from sparse_attention_op.bridge import session_token, tickets
+
+    config = CaseConfig(seq_len=3, max_cache_len=16)
+    model, inputs = model_and_inputs(config, rng)
+    session = sao.create_session(model)
+    session.run(None, graph_feeds(session, inputs))
+    token = session.sparse_attention_token
+    assert any(session_token(key) == token for _, key in tickets._issued)
+    del session
+    gc.collect()
+    assert not any(session_token(key) == token for _, key in tickets._issued)
