@@ -193,7 +193,7 @@ class CacheRecord:
         decode step calls this once per node, so it spends as few numpy calls as it can.
         """
         c = self.chunk_rows
-        held = self.valid.tolist()
+        held = [int(v) for v in self.valid]
         live = [b for b, past in enumerate(past_lengths) if past > 0]
         if any(held[b] != past_lengths[b] for b in live):
             return False
@@ -272,7 +272,7 @@ class CacheRecord:
 
     def _append_one_row(self, past: np.ndarray, new_key: np.ndarray, new_value: np.ndarray) -> None:
         """append() for a decode step, every batch row at once: one new row each."""
-        assert self.valid.tolist() == past.tolist(), "the record must describe the call's past before rows are appended"
+        assert np.array_equal(self.valid, past), "the record must describe the call's past before rows are appended"
         c, wpr = self.chunk_rows, self.digests.words_per_row
         batch = np.arange(self.batch)
         chunks, positions = past // c, past % c

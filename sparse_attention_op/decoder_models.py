@@ -396,7 +396,7 @@ def decoder_reference(model: onnx.ModelProto, input_ids, lengths) -> np.ndarray:
     batch, seq = ids.shape
     lengths = np.asarray(lengths).reshape(-1)
     if lengths.shape != (batch,) or np.any(lengths < 1) or np.any(lengths > seq):
-        raise ValueError(f"lengths must hold one length in [1, {seq}] per row of input_ids ({batch} rows), got {lengths.tolist()}")
+        raise ValueError(f"lengths must hold one length in [1, {seq}] per row of input_ids ({batch} rows), got {[int(n) for n in lengths]}")
     weights = {init.name: numpy_helper.to_array(init).astype(np.float64) for init in model.graph.initializer}
     vocab = weights["model.embed_tokens.weight"].shape[0]
     if ids.min() < 0 or ids.max() >= vocab:

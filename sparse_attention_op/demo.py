@@ -119,7 +119,7 @@ def run_demo(folder: Path | None = None, prompt_len: int = 40, steps: int = 24, 
 
     import sparse_attention_op as sao
     from .decoder_models import BUNDLED_MODELS, decoder_reference, write_model_folder
-    from .generation import generate
+    from .generation import generate, prompt_logits
     from .model_files import load, resolve
     from .webgpu import get_context
 
@@ -139,23 +139,15 @@ def run_demo(folder: Path | None = None, prompt_len: int = 40, steps: int = 24, 
             "second layer GroupQueryAttention, as in Phi-3-small)")
     rng = np.random.default_rng(0)
     lengths = [prompt_len, prompt_len - 13]
-    prompts = [rng.integers(2, vocab, n).tolist() for n in lengths]
+    prompts = [[int(t) for t in rng.integers(2, vocab, n)] for n in lengths]
     printer(f"prompt: 2 rows of {lengths[0]} and {lengths[1]} tokens (the second right-padded), then {steps} new tokens per row")
 
     session = sao.create_session(model, kv_check="fast")
-    ids = np.zeros((2, lengths[0]), np.int64)
-    for b, row in enumerate(prompts):
-        ids[b, : len(row)] = row
-    mask = (np.arange(lengths[0])[None, :] < np.array(lengths)[:, None]).astype(np.int64)
-    feeds = {"input_ids": ids, "attention_mask": mask}
-    cache_dtype = _cache_dtype(model)
-    for past in session.get_inputs():
-        if past.name.startswith("past_key_values."):  # [batch, kv_heads, rows, head_size]: empty caches of the prompt's rows
-            feeds[past.name] = np.zeros((2, past.shape[1], lengths[0], past.shape[3]), cache_dtype)
-    logits = session.run(["logits"], feeds)[0].astype(np.float64)
+    logits, ids, _ = prompt_logits(session, prompts)
+    logits = logits.astype(np.float64)
     expected = decoder_reference(model, ids, lengths)
     error = max(float(np.abs(logits[b, :n] - expected[b, :n]).max()) for b, n in enumerate(lengths))
-    bound = 5e-2 if cache_dtype == np.float16 else 2e-3
+    bound = 5e-2 if _cache_dtype(model) == np.float16 else 2e-3
     scale = float(np.abs(expected).max())
     reference_ok = error <= bound * max(1.0, scale)
     printer(f"prompt logits against the float64 reference: max |error| {error:.2e} (logits up to {scale:.1f}; "

@@ -229,10 +229,7 @@ def generate(
         _check_ids(rows, stops, pad_token_id, io.vocab_size)  # before any work
     loop = _Loop(session, io, len(rows), capacity)
     rng = np.random.default_rng(sampling.seed)
-    lengths = np.array([len(r) for r in rows], np.int64)
-    ids = np.full((len(rows), longest), pad_token_id, np.int64)
-    for b, row in enumerate(rows):
-        ids[b, : len(row)] = row
+    ids, lengths = _right_padded(rows, pad_token_id)
 
     start = time.perf_counter()
     logits = loop.step(ids, lengths)
@@ -265,6 +262,24 @@ def generate(
     return GenerationResult(generated, [len(r) for r in rows], reasons, prompt_seconds, step_seconds)
 
 
+def prompt_logits(session: ort.InferenceSession, prompts: Sequence[Sequence[int]], pad_token_id: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One run of whole prompts over empty caches, as :func:`generate` starts:
+    (logits float32 (batch, longest, vocab), the right-padded ids, the lengths). Logits at
+    padding positions are whatever padding computes: use positions below each length."""
+    rows = _prompt_rows(prompts, None)
+    ids, lengths = _right_padded(rows, pad_token_id)
+    return _Loop(session, _DecoderIO.of(session), len(rows), ids.shape[1]).step(ids, lengths), ids, lengths
+
+
+def _right_padded(rows: list[list[int]], pad_token_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(batch, longest) int64 ids, row b's tokens first and ``pad_token_id`` after; the lengths."""
+    lengths = np.array([len(r) for r in rows], np.int64)
+    ids = np.full((len(rows), int(lengths.max())), pad_token_id, np.int64)
+    for b, row in enumerate(rows):
+        ids[b, : len(row)] = row
+    return ids, lengths
+
+
 class _Loop:
     """One generation's buffers and bindings: a KV buffer per past, bound as past and present."""
 
@@ -274,11 +289,17 @@ class _Loop:
         # The OrtValues borrow these arrays' memory: they live as long as the loop.
         self._arrays = {}
         self._caches = {}
+        # One binding for the whole loop: the caches are bound once, as past and as present;
+        # each step rebinds only the token inputs and the logits.
+        self._binding = session.io_binding()
+        self._binding.bind_output(LOGITS)  # bound first: get_outputs()[0], rebinding keeps its place
         for layer in range(io.layers):
             for kind in ("key", "value"):
                 array = np.zeros(shape, io.cache_dtype)
                 self._arrays[layer, kind] = array
-                self._caches[layer, kind] = ort.OrtValue.ortvalue_from_numpy(array)
+                value = self._caches[layer, kind] = ort.OrtValue.ortvalue_from_numpy(array)
+                self._binding.bind_ortvalue_input(f"past_key_values.{layer}.{kind}", value)
+                self._binding.bind_ortvalue_output(PRESENT.format(layer=layer, kind=kind), value)
 
     def step(self, ids: np.ndarray, key_totals: np.ndarray) -> np.ndarray:
         """Run the model on ``ids`` (batch, seq), row b's tokens ending at position
@@ -287,7 +308,7 @@ class _Loop:
         width = int(key_totals.max())
         mask = (np.arange(width)[None, :] < key_totals[:, None]).astype(np.int64)
         ids_dtype, mask_dtype, positions_dtype = self.io.id_dtypes
-        binding = self.session.io_binding()
+        binding = self._binding
         binding.bind_cpu_input(INPUT_IDS, np.ascontiguousarray(ids, ids_dtype))
         binding.bind_cpu_input(ATTENTION_MASK, mask.astype(mask_dtype))
         if self.io.has_position_ids:
@@ -295,10 +316,7 @@ class _Loop:
             first = np.zeros_like(key_totals) if width == seq else key_totals - seq
             positions = first[:, None] + np.arange(seq)[None, :]
             binding.bind_cpu_input(POSITION_IDS, positions.astype(positions_dtype))
-        binding.bind_output(LOGITS)  # first bound, so first of get_outputs()
-        for (layer, kind), value in self._caches.items():
-            binding.bind_ortvalue_input(f"past_key_values.{layer}.{kind}", value)
-            binding.bind_ortvalue_output(PRESENT.format(layer=layer, kind=kind), value)
+        binding.bind_output(LOGITS)  # ORT allocates it: its shape changes between prompt and decode
         self.session.run_with_iobinding(binding)
         return binding.get_outputs()[0].numpy().astype(np.float32, copy=False)
 
@@ -378,7 +396,7 @@ def _prompt_rows(prompts, attention_mask) -> list[list[int]]:
         if mask.shape != ids.shape:
             raise GenerationError(f"attention_mask must have the prompts' shape {ids.shape}, got shape {mask.shape}")
         if not np.isin(mask, (0, 1)).all():
-            raise GenerationError(f"attention_mask must hold only 0 (padding) and 1 (token), got values {sorted(set(np.unique(mask).tolist()) - {0, 1})[:5]}")
+            raise GenerationError(f"attention_mask must hold only 0 (padding) and 1 (token), got values {[int(v) for v in np.unique(mask) if v not in (0, 1)][:5]}")
         rows = []
         for b, row_mask in enumerate(mask.astype(bool)):
             kept = np.flatnonzero(row_mask)
@@ -424,7 +442,7 @@ def _choose(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) ->
     """The next token of every row from its logits (batch, vocab)."""
     finite = np.isfinite(logits).all(axis=-1)
     if not finite.all():
-        raise GenerationError(f"the model's logits of row(s) {np.flatnonzero(~finite).tolist()} are not finite (NaN or inf)")
+        raise GenerationError(f"the model's logits of row(s) {[int(b) for b in np.flatnonzero(~finite)]} are not finite (NaN or inf)")
     if not sampling.do_sample:
         return np.argmax(logits, axis=-1)
     scores = logits.astype(np.float64) / sampling.temperature

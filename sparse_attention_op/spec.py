@@ -167,6 +167,11 @@ class CallShape(ShapeFacts):
     key_totals: tuple[int, ...]
 
     @property
+    def facts(self) -> ShapeFacts:
+        """The part its shapes determine (what a decode step shares with the step before)."""
+        return ShapeFacts(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ShapeFacts)})
+
+    @property
     def scale(self) -> float:
         """The effective softmax scale (0 in the attribute means 1/sqrt(head_size))."""
         scale = self.attributes.scale
@@ -301,7 +306,7 @@ def describe_lengths(facts: ShapeFacts, total_sequence_length: np.ndarray, key_t
     key_totals_tensor = np.asarray(key_total_sequence_lengths)
     if key_totals_tensor.shape != (batch,):
         _fail("key_total_sequence_lengths", f"must have shape (batch,) = ({batch},), got {key_totals_tensor.shape}")
-    key_totals = tuple(int(v) for v in key_totals_tensor.tolist())
+    key_totals = tuple(int(v) for v in key_totals_tensor)
     is_prompt = total == seq_len
     low = 1 if is_prompt else seq_len
     for b, value in enumerate(key_totals):

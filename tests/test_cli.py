@@ -7,7 +7,6 @@ once each as real subprocesses.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

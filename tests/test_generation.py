@@ -16,7 +16,7 @@ import pytest
 
 import sparse_attention_op as sao
 from sparse_attention_op.decoder_models import decoder_reference
-from sparse_attention_op.generation import GenerationError, Sampling, _DecoderIO, _Loop, divergences, generate
+from sparse_attention_op.generation import GenerationError, Sampling, _DecoderIO, _Loop, divergences, generate, prompt_logits
 from sparse_attention_op.graphs import sparse_attention_model
 from sparse_attention_op.inputs import CaseConfig, random_inputs
 
@@ -71,23 +71,14 @@ def test_equal_rows_match_ort_batched_and_exact_check(bundled, rng):
 
 def test_prompt_logits_match_the_float64_reference(bundled, rng):
     path, session, _ = bundled
-    model = onnx.load(str(path))
     lengths = [40, 19]
-    ids = np.zeros((2, 40), np.int64)
-    for b, row in enumerate(prompts_of(rng, lengths)):
-        ids[b, : len(row)] = row
-    mask = (np.arange(40)[None, :] < np.array(lengths)[:, None]).astype(np.int64)
-    io = _DecoderIO.of(session)
-    feeds = {"input_ids": ids, "attention_mask": mask}
-    for i in session.get_inputs():
-        if i.name.startswith("past_key_values."):
-            feeds[i.name] = np.zeros((2, io.kv_heads, 40, io.head_size), io.cache_dtype)
-    logits = session.run(["logits"], feeds)[0].astype(np.float64)
-    expected = decoder_reference(model, ids, lengths)
-    tolerance = 5e-2 if io.cache_dtype == np.float16 else 2e-3
+    logits, ids, got_lengths = prompt_logits(session, prompts_of(rng, lengths))
+    assert [int(n) for n in got_lengths] == lengths and ids.shape == (2, 40)
+    expected = decoder_reference(onnx.load(str(path)), ids, lengths)
+    tolerance = 5e-2 if _DecoderIO.of(session).cache_dtype == np.float16 else 2e-3
     scale = max(1.0, float(np.abs(expected).max()))
     for b, n in enumerate(lengths):
-        error = float(np.abs(logits[b, :n] - expected[b, :n]).max())
+        error = float(np.abs(logits[b, :n].astype(np.float64) - expected[b, :n]).max())
         assert error <= tolerance * scale, f"row {b}: max error {error:.3g} against the float64 reference (scale {scale:.1f})"
 
 

@@ -8,7 +8,6 @@ the cache's element type and the rotary layout shape the code and so are constan
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -177,7 +176,7 @@ def dispatch_key(shape: CallShape, tuning: Tuning) -> tuple:
     few thousand keys long). Lengths are data (row_past), so a decode step reuses the last
     step's dispatches."""
     splits = tuning.decode_splits(shape) if tuning.attention_route(shape) == SPLIT else 0
-    return (dataclasses.replace(shape, past_lengths=(), key_totals=(), total_sequence_length=0, is_prompt=False), splits)
+    return (shape.facts, splits)
 
 
 def _tiled_rows(shape: CallShape, query_tile: int) -> int:
