@@ -13,8 +13,9 @@ with some fields replaced) run by an executor of its own on the one device. Time
 time per dispatch from timestamp queries, medians over --reps calls after one warm-up call
 (which compiles); each timed call runs a warmer dispatch, then its dispatches back to back
 (at least --repeats times, about 50 ms of GPU work) and only the later half counts
-(RepeatedDispatches says why). "attention ms" is the call's GPU time without the KV-append pass, which
-is the same for every candidate. Prefill reports TFLOP/s over the selected work ((query,
+(RepeatedDispatches says why). "attention ms" is the call's GPU time without a KV-append pass
+(decode candidates that fuse it into their merge pass have none); candidates are ranked by the
+call's whole GPU time. Prefill reports TFLOP/s over the selected work ((query,
 key) pairs the layout lets a query see, times 4 * head_size flops); decode reports GB/s over
 the selected K/V bytes (each visible key's K and V rows, per query head). Each result is
 spot-checked against a float64 recomputation of sampled rows (8 of them); a candidate over
@@ -101,6 +102,8 @@ DECODE_CANDIDATES = [
     ("wg 128 target 512", dict(decode_workgroup=128, decode_target_workgroups=512)),
     ("wg 64 target 256", dict(decode_workgroup=64, decode_target_workgroups=256)),
     ("merge wg 64", dict(merge_workgroup=64)),
+    ("append pass", dict(decode_fused_append=False)),
+    ("fused append", dict(decode_fused_append=True)),
 ]
 
 
@@ -185,13 +188,22 @@ class RepeatedDispatches:
     against 1980 MHz under load) would be timed at whatever clock the last gap left it. After
     the warmer and back to back, the repetitions run at the clock a sustained load gets, and
     only the later half counts (:func:`settled_seconds`). The executor plans its dispatches
-    through ``kernels.call_dispatches``, which this wraps: nothing else of the call changes."""
+    through ``kernels.call_dispatches``, which this wraps: nothing else of the call changes.
+    The node's launches are planned afresh on entry and exit (the executor reuses a node's
+    launches while its shapes and buffers stay the same)."""
 
-    def __init__(self, times: int, warm_iterations: int = 0):
+    def __init__(self, executor, node: str, times: int, warm_iterations: int = 0):
+        self.executor, self.node = executor, node
         self.times = times
         self.warm_iterations = warm_iterations
 
+    def _forget_launches(self):
+        state = self.executor.node_state(self.node)
+        if state is not None:
+            state.launch_plan = None
+
     def __enter__(self):
+        self._forget_launches()
         self.original = kernels.call_dispatches
         original, times, warm = self.original, self.times, self.warm_iterations
 
@@ -207,6 +219,7 @@ class RepeatedDispatches:
 
     def __exit__(self, *exc):
         kernels.call_dispatches = self.original
+        self._forget_launches()
 
 
 def settled_seconds(samples: list[dict]) -> dict:
@@ -235,11 +248,11 @@ def time_candidate(executor, call, case: Case, reps: int, repeats: int, warm_sec
     repeats = max(repeats, min(MAX_REPEATS, int(SETTLE_SECONDS / once) + 1))
     warm = 0
     if warm_seconds > 0:
-        with RepeatedDispatches(1, WARM_CALIBRATION):  # how long the warmer's iterations take
+        with RepeatedDispatches(executor, node, 1, WARM_CALIBRATION):  # how long the warmer's iterations take
             calibration = executor.run(call, node, settings).stats.gpu_seconds["warmer#0"]
         warm = max(1, min(2**31, int(WARM_CALIBRATION * warm_seconds / max(calibration, 1e-6))))
     samples = []
-    with RepeatedDispatches(repeats, warm):
+    with RepeatedDispatches(executor, node, repeats, warm):
         for _ in range(reps):
             samples.append(executor.run(call, node, settings).stats.gpu_seconds)
     return settled_seconds(samples), output
@@ -293,8 +306,7 @@ def run_sweep(args) -> int:
                 finally:
                     executor.release("")
                 error = spot_check(inputs, output, attrs["sparse_block_size"], 8, rng)
-                attention = sum(v for k, v in seconds.items() if k != "kv_append")
-                if name not in results or attention < sum(v for k, v in results[name][0].items() if k != "kv_append"):
+                if name not in results or sum(seconds.values()) < sum(results[name][0].values()):
                     results[name] = (seconds, max(error, results.get(name, ({}, 0.0))[1]))
                 else:
                     results[name] = (results[name][0], max(error, results[name][1]))
@@ -307,9 +319,9 @@ def run_sweep(args) -> int:
             ok = error <= tolerance
             print(f"| {case.label} | {name} | {passes} | {attention * 1e3:.3f} | {total * 1e3:.3f} | {rate} | "
                   f"{error:.1e}{'' if ok else ' FAIL'} |", flush=True)
-            if ok and (case.label not in best or attention < best[case.label][0]):
-                best[case.label] = (attention, name)
-    print(f"\nSweep took {time.perf_counter() - started:.0f} s.\n\nBest per case (attention GPU ms):")
+            if ok and (case.label not in best or total < best[case.label][0]):
+                best[case.label] = (total, name)
+    print(f"\nSweep took {time.perf_counter() - started:.0f} s.\n\nBest per case (whole call, GPU ms):")
     for label, (seconds, name) in best.items():
         fields = dict(PREFILL_CANDIDATES + ROWS_CANDIDATES + DECODE_CANDIDATES)[name]
         print(f"- {label}: {name} {fields or ''} {seconds * 1e3:.3f} ms")

@@ -24,7 +24,8 @@ ROUTES = {
     TILED: dict(SMALL_TILES),
     "tiled-default": dict(prefill_min_queries=2, decode_max_queries=1, prefill_pass=TILED),
     "tiled-no-prefetch": dict(SMALL_TILES, prefill_prefetch=False),
-    SPLIT: dict(decode_max_queries=4096, decode_target_workgroups=4096, decode_min_keys_per_split=3),
+    SPLIT: dict(decode_max_queries=4096, decode_target_workgroups=4096, decode_min_keys_per_split=3, decode_fused_append=True),
+    "split-unfused": dict(decode_max_queries=4096, decode_target_workgroups=4096, decode_min_keys_per_split=3, decode_fused_append=False),
     ROWS: dict(prefill_pass=ROWS, rows_lanes=8, rows_query_regs=2, prefill_min_queries=1, decode_max_queries=0),
     SIMPLE: dict(decode_max_queries=0, prefill_min_queries=1 << 30),
 }
@@ -54,13 +55,13 @@ def check(executor, config, rng, expect_route, past=None, node_key="kernels", to
 
 
 def forced(executor, route):
-    expect = TILED if route.startswith(TILED) else route
+    expect = next((r for r in (TILED, SPLIT) if route.startswith(r)), route)
     return executor_for(executor, ROUTES[route]), expect
 
 
 def decode_route(route) -> str:
     """The pass a one-query call takes under ROUTES[route]."""
-    return SPLIT if route.startswith(TILED) else route
+    return SPLIT if route.startswith((TILED, SPLIT)) else route
 
 
 @pytest.mark.parametrize("route", [TILED, "tiled-default", "tiled-no-prefetch", ROWS, SIMPLE])
@@ -144,14 +145,15 @@ def test_rows_with_no_visible_key_average_their_history(executor, rng, route):
     check(runner, config, rng, expect, inputs=no_reachable_block_inputs(config, rng))
 
 
-def test_decode_with_no_visible_key(executor, rng):
-    runner, _ = forced(executor, SPLIT)
+@pytest.mark.parametrize("route", [SPLIT, "split-unfused"])
+def test_decode_with_no_visible_key(executor, rng, route):
+    runner, _ = forced(executor, route)
     config = CaseConfig(seq_len=1, past_lengths=(19,), max_cache_len=32, sparse_block_size=8, num_layout=2)
     inputs = no_reachable_block_inputs(config, rng)  # query at 19: row 2, which sees nothing in layout 1
     check(runner, config, rng, SPLIT, inputs=inputs)
 
 
-@pytest.mark.parametrize("route", [TILED, ROWS, SPLIT])
+@pytest.mark.parametrize("route", [TILED, ROWS, SPLIT, "split-unfused"])
 def test_f16_cache(executor, rng, route):
     if "shader-f16" not in executor.context.features:
         pytest.fail("the f16 cache needs an adapter with shader-f16 (lavapipe has it)")
@@ -163,7 +165,7 @@ def test_f16_cache(executor, rng, route):
     check(runner, step, rng, decode_route(route), float16_storage=True, tol=1e-2, node_key="kernels-f16")
 
 
-@pytest.mark.parametrize("route", [TILED, ROWS, SPLIT])
+@pytest.mark.parametrize("route", [TILED, ROWS, SPLIT, "split-unfused"])
 @pytest.mark.parametrize("rotary", [dict(do_rotary=True), dict(do_rotary=True, rotary_interleaved=True), dict(do_rotary=True, rotary_dim=16)])
 def test_rotary_queries(executor, rng, route, rotary):
     runner, expect = forced(executor, route)
@@ -182,9 +184,10 @@ def test_split_k_with_more_slices_than_keys(executor, rng):
     check(runner, config, rng, SPLIT, inputs=inputs)
 
 
+@pytest.mark.parametrize("route", [SPLIT, "split-unfused"])
 @pytest.mark.parametrize("past", [(0, 5, 40, 63), (63, 0, 17, 1)])
-def test_split_k_ragged_batch(executor, rng, past):
-    runner, _ = forced(executor, SPLIT)
+def test_split_k_ragged_batch(executor, rng, past, route):
+    runner, _ = forced(executor, route)
     config = CaseConfig(batch=4, seq_len=1, past_lengths=past, max_cache_len=64)
     check(runner, config, rng, SPLIT)
 
@@ -196,9 +199,10 @@ def test_padded_prompt_rows_of_different_lengths(executor, rng, route):
     check(runner, config, rng, expect)
 
 
-def test_split_k_short_chunk_decode_chain(executor, rng):
+@pytest.mark.parametrize("route", [SPLIT, "split-unfused"])
+def test_split_k_short_chunk_decode_chain(executor, rng, route):
     # Chunks of 3 and single steps through split-K, the presents fed back each time.
-    runner, _ = forced(executor, SPLIT)
+    runner, _ = forced(executor, route)
     config = CaseConfig(batch=2, seq_len=5, prompt_lengths=(5, 3), max_cache_len=40, sparse_block_size=8)
     outputs = check(runner, config, rng, SPLIT, node_key="chain")
     lengths = np.array([5, 3])
@@ -206,6 +210,18 @@ def test_split_k_short_chunk_decode_chain(executor, rng):
         step = dataclasses.replace(config, seq_len=seq_len, past_lengths=tuple(int(v) for v in lengths), prompt_lengths=None)
         outputs = check(runner, step, rng, SPLIT, past=outputs[1:], node_key="chain")
         lengths = lengths + seq_len
+
+
+@pytest.mark.parametrize("fields, passes", [
+    (dict(decode_fused_append=True), ["attention_split", "attention_merge"]),
+    (dict(decode_fused_append=False), ["kv_append", "attention_split", "attention_merge"]),
+    (dict(max_storage_buffers=10), ["kv_append", "attention_split", "attention_merge"]),  # rotary's passes need 11
+])
+def test_decode_writes_its_new_rows_in_the_merge_pass_where_it_can(executor, rng, fields, passes):
+    runner = executor_for(executor, dict(ROUTES[SPLIT], **fields))
+    config = CaseConfig(batch=2, seq_len=1, past_lengths=(9, 30), max_cache_len=40, do_rotary=True, packed=True)
+    check(runner, config, rng, SPLIT, node_key="fused")
+    assert [launch.label for launch in runner.node_state("fused").launch_plan.launches] == passes
 
 
 def test_split_k_partials_stay_within_one_binding(executor, rng):

@@ -7,8 +7,8 @@ Measured (docs/design.md section 3; ``scripts/measure_platform.py``):
   per write, which a VM faults in page by page; a staging buffer we keep mapped between
   calls and fill with parallel copies avoids that.
 * Reading back through our own MAP_READ buffer avoids the queue's read helper's per-call
-  allocation and submit. Mapping with ``READ_NOSYNC`` skips the empty submit wgpu-py
-  otherwise adds before every read map (the call's own submit already did the job).
+  allocation and submit. Maps wait on the calling thread (mapping.py), not through
+  wgpu-py's poll thread, and add no empty submit before a read.
 
 Buffers are named and only grow (by half again, so a slowly growing need does not
 reallocate every call). The executor keeps one :class:`BufferPool` for the transient
@@ -24,6 +24,7 @@ import numpy as np
 import wgpu
 
 from .. import host_threads
+from .mapping import mapped
 from .programs import BufferRange
 
 #: Offsets of sections inside one buffer: storage bindings and copies need 256-byte aligned
@@ -149,15 +150,12 @@ class Upload:
         kept = total <= _KEEP_STAGING_BYTES
         usage = wgpu.BufferUsage.MAP_WRITE | wgpu.BufferUsage.COPY_SRC
         staging = pool.get("upload", total, usage) if kept else device.create_buffer(size=aligned(total), usage=usage)
-        staging.map_async(wgpu.MapMode.WRITE, 0, aligned(total)).sync_wait()
-        mapped = _mapped_bytes(staging, aligned(total))
-        offset = 0
-        for array, destination, destination_offset in items:
-            data = array.reshape(-1).view(np.uint8)
-            host_threads.copy(mapped[offset : offset + data.nbytes], data)
-            offset += aligned(data.nbytes)
-        del mapped
-        staging.unmap()
+        with mapped(device, staging, True, 0, aligned(total)) as memory:
+            offset = 0
+            for array, destination, destination_offset in items:
+                data = array.reshape(-1).view(np.uint8)
+                host_threads.copy(memory[offset : offset + data.nbytes], data)
+                offset += aligned(data.nbytes)
         offset = 0
         for array, destination, destination_offset in items:
             encoder.copy_buffer_to_buffer(staging, offset, destination, destination_offset, -(-array.nbytes // 4) * 4)
@@ -166,12 +164,6 @@ class Upload:
             # Destroyed only after the submit that reads it (a destroyed buffer in a submit
             # is a fatal wgpu-native error): the executor calls release_temporaries().
             pool.temporaries.append(staging)
-
-
-def _mapped_bytes(buffer, size: int) -> np.ndarray:
-    """A writable uint8 view of a buffer mapped for writing (wgpu-py offers no public one:
-    write_mapped copies under the GIL, which rules out parallel copies)."""
-    return np.frombuffer(buffer._experimental_get_mapped_range(0, size), np.uint8)
 
 
 def _write(queue, buffer, offset: int, array: np.ndarray) -> None:
@@ -187,8 +179,9 @@ class Download:
     The read-back buffer is kept between calls (a fresh one would fault its pages in on
     every large call), sized by the largest call so far."""
 
-    def __init__(self, pool: BufferPool):
+    def __init__(self, pool: BufferPool, device):
         self._pool = pool
+        self._device = device
         self._items: list[tuple[np.ndarray, BufferRange, int]] = []
         self._size = 0
         self._staging = None
@@ -217,12 +210,6 @@ class Download:
         """Wait for the GPU, then copy each range into its host array."""
         if self._staging is None:
             return
-        # READ_NOSYNC: wgpu-py would otherwise submit an empty command buffer first, a guard
-        # for reads with no prior submit; this call's submit precedes the map.
-        self._staging.map_async("READ_NOSYNC", 0, self._size).sync_wait()
-        try:
+        with mapped(self._device, self._staging, False, 0, self._size) as memory:
             for destination, _, offset in self._items:
-                view = self._staging.read_mapped(offset, -(-destination.nbytes // 4) * 4, copy=False)
-                host_threads.copy(destination.reshape(-1).view(np.uint8), np.frombuffer(view, np.uint8, count=destination.nbytes))
-        finally:
-            self._staging.unmap()
+                host_threads.copy(destination.reshape(-1).view(np.uint8), memory[offset : offset + destination.nbytes])

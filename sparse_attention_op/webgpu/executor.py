@@ -346,7 +346,7 @@ class WebGPUExecutor:
         encoder = device.create_command_encoder()
         upload.encode(device, encoder, self._scratch, inputs)
         timed = self._record(encoder, launches, settings.profile)
-        download = Download(self._scratch)
+        download = Download(self._scratch, device)
         download.add(output, resources["output"])
         if new_key is not None:
             download.add(new_key, resources["new_key"])

@@ -70,14 +70,34 @@ def dispatch_limits_ok(shape: CallShape, tuning: Tuning) -> bool:
     return along_x <= MAX_WORKGROUPS_PER_DIM and heads <= MAX_WORKGROUPS_PER_DIM and batch <= MAX_WORKGROUPS_PER_DIM
 
 
+def _new_row_bindings(shape: CallShape) -> tuple[Binding, ...]:
+    """The call's key/value inputs, which the passes writing the new rows read (new_rows.wgsl.jinja)."""
+    return (Binding("key_source", VEC4), Binding("value_source", VEC4))
+
+
+_NEW_ROW_UNIFORMS = (("src_row_vec", "u32"), ("key_offset_vec", "u32"), ("value_offset_vec", "u32"))
+
+
+def _new_row_uniforms(shape: CallShape) -> dict:
+    """Where a token's key and value rows lie in the inputs: separate key/value tensors,
+    or the K and V heads of the packed query's rows."""
+    attrs, head_vec = shape.attributes, shape.head_size // 4
+    if shape.packed_qkv:
+        return dict(src_row_vec=shape.query_hidden // 4, key_offset_vec=attrs.num_heads * head_vec,
+                    value_offset_vec=(attrs.num_heads + attrs.kv_num_heads) * head_vec)
+    return dict(src_row_vec=attrs.kv_num_heads * head_vec, key_offset_vec=0, value_offset_vec=0)
+
+
+def _new_row_constants(shape: CallShape, cache: CacheFormat) -> tuple:
+    return (("cache_vec", cache.vec), ("round_keys_to_f16", shape.attributes.do_rotary and cache.round_keys_to_f16))
+
+
 def kv_append(shape: CallShape, tuning: Tuning, cache: CacheFormat, resources: Mapping[str, BufferRange]) -> Dispatch:
     """Write the new key/value rows at [past, past + S) of each row (keys rotated there)."""
     attrs = shape.attributes
     head_vec = shape.head_size // 4
     rotary_constants, rotary_bindings = _rotary(shape)
-    bindings = (
-        Binding("key_source", VEC4),
-        Binding("value_source", VEC4),
+    bindings = _new_row_bindings(shape) + (
         Binding("row_past", "u32"),
         Binding("key_cache", cache.vec, writable=True),
         Binding("value_cache", cache.vec, writable=True),
@@ -87,36 +107,14 @@ def kv_append(shape: CallShape, tuning: Tuning, cache: CacheFormat, resources: M
     program = Program(
         template="kv_append.wgsl.jinja",
         bindings=bindings + rotary_bindings,
-        uniforms=(
-            ("count", "u32"),
-            ("seq_len", "u32"),
-            ("kv_num_heads", "u32"),
-            ("cache_rows", "u32"),
-            ("src_row_vec", "u32"),
-            ("key_offset_vec", "u32"),
-            ("value_offset_vec", "u32"),
-            ("rotary_half", "u32"),
-        ),
-        constants=(("head_size", shape.head_size), ("workgroup_size", tuning.append_workgroup), ("cache_vec", cache.vec),
-                   ("round_keys_to_f16", attrs.do_rotary and cache.round_keys_to_f16)) + rotary_constants,
+        uniforms=(("count", "u32"), ("seq_len", "u32"), ("kv_num_heads", "u32"), ("cache_rows", "u32")) + _NEW_ROW_UNIFORMS
+                 + (("rotary_half", "u32"),),
+        constants=(("head_size", shape.head_size), ("workgroup_size", tuning.append_workgroup)) + _new_row_constants(shape, cache)
+                  + rotary_constants,
     )
     count = shape.batch_size * attrs.kv_num_heads * shape.seq_len * head_vec
-    if shape.packed_qkv:
-        src_row_vec = shape.query_hidden // 4
-        key_offset = attrs.num_heads * head_vec
-        value_offset = (attrs.num_heads + attrs.kv_num_heads) * head_vec
-    else:
-        src_row_vec, key_offset, value_offset = attrs.kv_num_heads * head_vec, 0, 0
-    uniforms = dict(
-        count=count,
-        seq_len=shape.seq_len,
-        kv_num_heads=attrs.kv_num_heads,
-        cache_rows=cache.rows,
-        src_row_vec=src_row_vec,
-        key_offset_vec=key_offset,
-        value_offset_vec=value_offset,
-        rotary_half=shape.rotary_dim // 2,
-    )
+    uniforms = dict(count=count, seq_len=shape.seq_len, kv_num_heads=attrs.kv_num_heads, cache_rows=cache.rows,
+                    rotary_half=shape.rotary_dim // 2, **_new_row_uniforms(shape))
     return bind("kv_append", program, resources, uniforms, _fold(-(-count // tuning.append_workgroup)))
 
 
@@ -266,55 +264,70 @@ def prefill_rows(shape: CallShape, tuning: Tuning, cache: CacheFormat, resources
     return bind("attention_rows", program, resources, _layout_uniforms(shape, cache), workgroups)
 
 
-def decode_split(shape: CallShape, split: DecodeSplit, splits: int, cache: CacheFormat, resources: Mapping[str, BufferRange]) -> Dispatch:
-    """One workgroup per (slice, query, head, batch row): a partial softmax per slice."""
+def decode_split(shape: CallShape, split: DecodeSplit, splits: int, cache: CacheFormat, resources: Mapping[str, BufferRange],
+                 fused_append: bool = False) -> Dispatch:
+    """One workgroup per (slice, query, head, batch row): a partial softmax per slice.
+    With ``fused_append`` it reads the call's own rows from the inputs (decode_merge writes them)."""
     rotary_constants, rotary_bindings = _rotary(shape)
+    bindings = (
+        Binding("query", VEC4),
+        Binding("key_cache", cache.vec),
+        Binding("value_cache", cache.vec),
+        Binding("row_past", "u32"),
+        Binding("block_plan", "u32"),
+        Binding("partial_acc", VEC4, writable=True),
+        Binding("partial_stats", "vec2<f32>", writable=True),
+    ) + (_new_row_bindings(shape) if fused_append else ()) + rotary_bindings
+    uniforms = dict(_layout_uniforms(shape, cache), query_row_vec=shape.query_hidden // 4, rotary_half=shape.rotary_dim // 2,
+                    scale=shape.scale, splits=splits, **(_new_row_uniforms(shape) if fused_append else {}))
     program = Program(
         template="decode_split.wgsl.jinja",
-        bindings=(
-            Binding("query", VEC4),
-            Binding("key_cache", cache.vec),
-            Binding("value_cache", cache.vec),
-            Binding("row_past", "u32"),
-            Binding("block_plan", "u32"),
-            Binding("partial_acc", VEC4, writable=True),
-            Binding("partial_stats", "vec2<f32>", writable=True),
-        ) + rotary_bindings,
-        uniforms=_LAYOUT_UNIFORMS + (("query_row_vec", "u32"), ("rotary_half", "u32"), ("scale", "f32"), ("splits", "u32")),
+        bindings=bindings,
+        uniforms=_LAYOUT_UNIFORMS + (("query_row_vec", "u32"), ("rotary_half", "u32"), ("scale", "f32"), ("splits", "u32"))
+                 + (_NEW_ROW_UNIFORMS if fused_append else ()),
         constants=(
             ("head_vec", split.head_vec),
             ("workgroup_size", split.workgroup),
             ("lanes_per_key", split.lanes_per_key),
             ("keys_per_group", split.keys_per_group),
-        ) + rotary_constants,
+            ("fused_append", fused_append),
+        ) + _new_row_constants(shape, cache) + rotary_constants,
     )
-    uniforms = dict(_layout_uniforms(shape, cache), query_row_vec=shape.query_hidden // 4, rotary_half=shape.rotary_dim // 2,
-                    scale=shape.scale, splits=splits)
     workgroups = (splits * shape.seq_len, shape.attributes.num_heads, shape.batch_size)
     return bind("attention_split", program, resources, uniforms, workgroups)
 
 
-def decode_merge(shape: CallShape, tuning: Tuning, splits: int, cache: CacheFormat, resources: Mapping[str, BufferRange]) -> Dispatch:
-    """One workgroup per query: the slices' partials combined into the output."""
+def decode_merge(shape: CallShape, tuning: Tuning, splits: int, cache: CacheFormat, resources: Mapping[str, BufferRange],
+                 fused_append: bool = False) -> Dispatch:
+    """One workgroup per query: the slices' partials combined into the output; with
+    ``fused_append`` also the call's new rows written into the cache (kv_append's job)."""
     attrs = shape.attributes
     head_vec = shape.head_size // 4
     workgroup = tuning.merge_workgroup_for(head_vec)
+    rotary_constants, rotary_bindings = _rotary(shape)
+    bindings = (
+        Binding("partial_acc", VEC4),
+        Binding("partial_stats", "vec2<f32>"),
+        Binding("row_past", "u32"),
+        Binding("value_cache", cache.vec, writable=fused_append),
+        Binding("output", VEC4, writable=True),
+    )
+    uniforms = dict(count=shape.batch_size * shape.seq_len * attrs.num_heads, seq_len=shape.seq_len, num_heads=attrs.num_heads,
+                    kv_num_heads=attrs.kv_num_heads, cache_rows=cache.rows, splits=splits)
+    declared = (("count", "u32"), ("seq_len", "u32"), ("num_heads", "u32"), ("kv_num_heads", "u32"), ("cache_rows", "u32"), ("splits", "u32"))
+    if fused_append:
+        bindings += _new_row_bindings(shape) + (Binding("key_cache", cache.vec, writable=True),)
+        bindings += ((Binding("new_key", VEC4, writable=True),) if attrs.do_rotary else ()) + rotary_bindings
+        uniforms.update(_new_row_uniforms(shape), rotary_half=shape.rotary_dim // 2)
+        declared += _NEW_ROW_UNIFORMS + (("rotary_half", "u32"),)
     program = Program(
         template="decode_merge.wgsl.jinja",
-        bindings=(
-            Binding("partial_acc", VEC4),
-            Binding("partial_stats", "vec2<f32>"),
-            Binding("row_past", "u32"),
-            Binding("value_cache", cache.vec),
-            Binding("output", VEC4, writable=True),
-        ),
-        uniforms=(("count", "u32"), ("seq_len", "u32"), ("num_heads", "u32"), ("kv_num_heads", "u32"), ("cache_rows", "u32"), ("splits", "u32")),
-        constants=(("head_vec", head_vec), ("workgroup_size", workgroup), ("max_splits", tuning.decode_max_splits)),
+        bindings=bindings,
+        uniforms=declared,
+        constants=(("head_vec", head_vec), ("workgroup_size", workgroup), ("max_splits", tuning.decode_max_splits),
+                   ("fused_append", fused_append)) + _new_row_constants(shape, cache) + rotary_constants,
     )
-    count = shape.batch_size * shape.seq_len * attrs.num_heads
-    uniforms = dict(count=count, seq_len=shape.seq_len, num_heads=attrs.num_heads, kv_num_heads=attrs.kv_num_heads,
-                    cache_rows=cache.rows, splits=splits)
-    return bind("attention_merge", program, resources, uniforms, _fold(count))
+    return bind("attention_merge", program, resources, uniforms, _fold(uniforms["count"]))
 
 
 def scratch_bytes(shape: CallShape, tuning: Tuning) -> dict[str, int]:
@@ -333,9 +346,8 @@ def attention_dispatches(shape: CallShape, tuning: Tuning, cache: CacheFormat, r
     """The attention of one call by the pass its shape suits (tuning.attention_route)."""
     route = tuning.attention_route(shape)
     if route == SPLIT:
-        splits = tuning.decode_splits(shape)
-        split = tuning.decode_split(shape)
-        return [decode_split(shape, split, splits, cache, resources), decode_merge(shape, tuning, splits, cache, resources)]
+        splits, split, fused = tuning.decode_splits(shape), tuning.decode_split(shape), tuning.decode_fuses_append(shape)
+        return [decode_split(shape, split, splits, cache, resources, fused), decode_merge(shape, tuning, splits, cache, resources, fused)]
     if route == TILED:
         return [query_prep(shape, tuning, resources), prefill_tiled(shape, tuning.prefill_tiling(shape), cache, resources)]
     if route == ROWS:
@@ -344,5 +356,9 @@ def attention_dispatches(shape: CallShape, tuning: Tuning, cache: CacheFormat, r
 
 
 def call_dispatches(shape: CallShape, tuning: Tuning, cache: CacheFormat, resources: Mapping[str, BufferRange]) -> list[Dispatch]:
-    """Every dispatch of one call, in order."""
-    return [kv_append(shape, tuning, cache, resources)] + attention_dispatches(shape, tuning, cache, resources)
+    """Every dispatch of one call, in order: the new rows into the cache first, unless the
+    decode passes write them themselves."""
+    attention = attention_dispatches(shape, tuning, cache, resources)
+    if tuning.attention_route(shape) == SPLIT and tuning.decode_fuses_append(shape):
+        return attention
+    return [kv_append(shape, tuning, cache, resources)] + attention

@@ -153,6 +153,8 @@ class Tuning:
     max_binding_bytes: int = 128 << 20
     #: Most invocations a workgroup may have (WebGPU guarantees 256).
     max_invocations: int = 256
+    #: Storage buffers one pass may bind (WebGPU guarantees 8).
+    max_storage_buffers: int = 8
 
     # -- the tiled prefill pass ----------------------------------------------------------
     #: Queries per workgroup. 64 = one Phi-3 block row: the K/V tile staged in workgroup
@@ -223,6 +225,10 @@ class Tuning:
     #: The merge pass: invocations per query (at least one per output vec4); the spare
     #: ones read disjoint slices in parallel. H200: 64 slower in every sweep.
     merge_workgroup: int = 256
+    #: Decode writes its new rows into the cache in the merge pass, and the split pass
+    #: reads them from the inputs, instead of a KV-append pass before them: one dispatch
+    #: (and its host calls) less per step. Needs 11 storage buffers per pass with rotary.
+    decode_fused_append: bool = True
 
     # -- shape-dependent choices -----------------------------------------------------------
     def attention_queries(self, shape: CallShape) -> int:
@@ -282,6 +288,12 @@ class Tuning:
         if head_vec > self.decode_workgroup or self.decode_workgroup > self.max_invocations:
             return None
         return DecodeSplit(self.decode_workgroup, min(self.decode_lanes_per_key, _pow2_at_least(head_vec)), self.decode_keys_per_group, head_vec)
+
+    def decode_fuses_append(self, shape: CallShape) -> bool:
+        """Whether a split-K call's passes write its new rows themselves (decode_fused_append),
+        where the adapter binds enough storage buffers: split and merge bind 9 each, with
+        rotary's cos/sin 11."""
+        return self.decode_fused_append and self.max_storage_buffers >= 9 + 2 * shape.attributes.do_rotary
 
     def decode_splits(self, shape: CallShape) -> int:
         """Slices per query: enough workgroups for the GPU, never slices thinner than
@@ -350,7 +362,9 @@ def choose_tuning(limits: dict, features: frozenset, adapter_type: str | None = 
     workgroup_bytes = int(limits.get("max-compute-workgroup-storage-size", 16384))
     binding_bytes = int(limits.get("max-storage-buffer-binding-size", 128 << 20))
     invocations = int(limits.get("max-compute-invocations-per-workgroup", 256))
-    tuning = Tuning(workgroup_storage_bytes=workgroup_bytes, max_binding_bytes=binding_bytes, max_invocations=invocations)
+    storage_buffers = int(limits.get("max-storage-buffers-per-shader-stage", 8))
+    tuning = Tuning(workgroup_storage_bytes=workgroup_bytes, max_binding_bytes=binding_bytes, max_invocations=invocations,
+                    max_storage_buffers=storage_buffers)
     cpu = adapter_type == "CPU" if adapter_type is not None else looks_like_cpu(limits)
     if cpu and "subgroup" in features:
         tuning = dataclasses.replace(tuning, **CPU_FIELDS)
@@ -362,4 +376,6 @@ def choose_tuning(limits: dict, features: frozenset, adapter_type: str | None = 
 #: its 8 broadcasts feed 32 multiply-adds (1 query per lane: 1.7x slower; 8: the same as
 #: 4); split-K decode over ~64 workgroups (2 cores gain nothing from more: 1024 was 2.5x
 #: slower at history 1023, 64 matched the simple pass there and beat it at 4095).
-CPU_FIELDS = dict(prefill_pass=ROWS, rows_lanes=8, rows_query_regs=4, decode_target_workgroups=64)
+#: The decode passes keep their KV-append pass there: lavapipe ran the fused split pass 2-3x
+#: slower (decode at 1023: 62-103 ms against 33-35 ms with the append pass, --quick).
+CPU_FIELDS = dict(prefill_pass=ROWS, rows_lanes=8, rows_query_regs=4, decode_target_workgroups=64, decode_fused_append=False)

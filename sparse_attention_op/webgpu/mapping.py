@@ -1,0 +1,109 @@
+"""Buffer maps that wait on the calling thread.
+
+wgpu-py's ``map_async(...).sync_wait()`` hands the wait to the device's poll thread: a
+token wakes that thread, which polls the device until the map's callback fires there, then
+wakes the caller through a ``threading.Event``. Every read-back of a call pays for two
+thread hand-offs and for the GIL the two threads then contend for. Dispatch, copy, map and
+read of 16 KiB (``scripts/measure_platform.py --only wgpu``, docs/design.md section 3):
+on this project's 2-core VM (lavapipe), 212-216 us this way against 302-320 us through the
+poll thread; the H200's figures are in BENCHMARKS.md.
+
+This module maps through the wgpu-native functions wgpu-py itself binds: it asks for the
+map, polls the device on the calling thread until the map's callback has run (a blocking
+poll waits for the queue's last submission, which the call's work is), and views the
+mapped range as a numpy array. wgpu-py's own bookkeeping of the buffer is bypassed, so a
+buffer mapped here must only ever be mapped here. Where wgpu-py's native backend does not
+have these internals (another wgpu version than pyproject allows), the public API serves;
+``SAO_WGPU_MAPS=public`` chooses it anyway, for measuring the two against each other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import numpy as np
+import wgpu
+
+try:  # wgpu-py's native backend: its cffi handle and the library functions it binds.
+    from wgpu.backends.wgpu_native._api import libf as _libf
+    from wgpu.backends.wgpu_native._ffi import ffi as _ffi
+    from wgpu.backends.wgpu_native._ffi import lib as _lib
+except ImportError:  # pragma: no cover - another wgpu version
+    _libf = _ffi = _lib = None
+
+#: A blocking poll returns once the queue's submissions are done, so a map over finished
+#: work resolves in the first poll. More polls than this mean the map can never resolve.
+_MAX_POLLS = 10_000
+
+
+class MapError(wgpu.GPUError):
+    """A buffer could not be mapped (the executor reports it as the GPU's failure)."""
+
+
+#: Where a map's status lands: the callback writes it through the userdata pointer into an
+#: int the waiting call owns, so no table or lock sits on the path. Cells of maps that never
+#: resolved are kept here, as their callback may still come.
+_abandoned_cells: list = []
+#: Off (``SAO_WGPU_MAPS=public``): wgpu-py's own maps, for measuring the two paths.
+NATIVE = _libf is not None and os.environ.get("SAO_WGPU_MAPS") != "public"
+
+
+def _on_map(status, _message, userdata, _userdata2):
+    _ffi.cast("int *", userdata)[0] = status
+
+
+# One cffi callback for every map of the process: callbacks are costly to create and must
+# outlive the maps they serve.
+_callback = _ffi.callback("void(WGPUMapAsyncStatus, WGPUStringView, void *, void *)", _on_map) if _libf is not None else None
+
+
+@contextlib.contextmanager
+def mapped(device, buffer, write: bool, offset: int, size: int):
+    """Map ``size`` bytes of ``buffer`` at ``offset`` for reading or writing and yield them
+    as a uint8 array (read-only when reading); unmapped when the block ends.
+
+    A read map must follow the submit that filled the buffer: it waits for that work."""
+    if not NATIVE:  # another wgpu version, or SAO_WGPU_MAPS=public
+        try:
+            yield _mapped_public(buffer, write, offset, size)
+        finally:
+            buffer.unmap()
+        return
+    cell = _ffi.new("int *", -1)
+    info = _ffi.new("WGPUBufferMapCallbackInfo *", {"mode": _lib.WGPUCallbackMode_AllowProcessEvents, "callback": _callback,
+                                                    "userdata1": cell})
+    try:
+        _libf.wgpuBufferMapAsync(buffer._internal, _lib.WGPUMapMode_Write if write else _lib.WGPUMapMode_Read, offset, size, info[0])
+    except BaseException:
+        _abandoned_cells.append(cell)  # a refused map may still call back
+        raise
+    for _ in range(_MAX_POLLS):
+        if cell[0] != -1:
+            break
+        _libf.wgpuDevicePoll(device._internal, True, _ffi.NULL)
+    status = cell[0]
+    if status != _lib.WGPUMapAsyncStatus_Success:
+        if status == -1:
+            _abandoned_cells.append(cell)
+        _libf.wgpuBufferUnmap(buffer._internal)  # cancels a map still pending, so the buffer stays usable
+        raise MapError(f"mapping buffer '{buffer.label}' ({size} bytes at {offset}) failed: status {status}")
+    try:
+        if write:
+            pointer = _libf.wgpuBufferGetMappedRange(buffer._internal, offset, size)
+        else:
+            pointer = _libf.wgpuBufferGetConstMappedRange(buffer._internal, offset, size)
+        view = np.frombuffer(_ffi.buffer(pointer, size), np.uint8)
+        view.flags.writeable = write
+        yield view
+    finally:
+        # The caller has copied what it needs: the memory goes away with the unmap.
+        _libf.wgpuBufferUnmap(buffer._internal)
+
+
+def _mapped_public(buffer, write: bool, offset: int, size: int) -> np.ndarray:
+    if write:
+        buffer.map_async(wgpu.MapMode.WRITE, offset, size).sync_wait()
+        return np.frombuffer(buffer._experimental_get_mapped_range(offset, size), np.uint8)
+    buffer.map_async("READ_NOSYNC", offset, size).sync_wait()
+    return np.frombuffer(buffer.read_mapped(offset, size, copy=False), np.uint8)
