@@ -40,6 +40,12 @@ def bind(label: str, program: Program, resources: Mapping[str, BufferRange], uni
     return Dispatch(label, program, {b.name: resources[b.name] for b in program.bindings}, uniforms, tuple(workgroups))
 
 
+def _attention_reads(query: str, cache: CacheFormat) -> tuple[Binding, ...]:
+    """What every attention pass reads: its queries (by name), the cache, each row's past and the layout."""
+    return (Binding(query, VEC4), Binding("key_cache", cache.vec), Binding("value_cache", cache.vec), Binding("row_past", "u32"),
+            Binding("block_plan", "u32"))
+
+
 def _rotary(shape: CallShape) -> tuple[tuple, tuple[Binding, ...]]:
     """The rotary constants and bindings of a program that rotates (nothing when it does not)."""
     attrs = shape.attributes
@@ -125,14 +131,7 @@ def attention(shape: CallShape, tuning: Tuning, cache: CacheFormat, resources: M
     query_tile = tuning.attention_queries(shape)
     program = Program(
         template="attention.wgsl.jinja",
-        bindings=(
-            Binding("query", VEC4),
-            Binding("key_cache", cache.vec),
-            Binding("value_cache", cache.vec),
-            Binding("row_past", "u32"),
-            Binding("block_plan", "u32"),
-            Binding("output", VEC4, writable=True),
-        ) + rotary_bindings,
+        bindings=_attention_reads("query", cache) + (Binding("output", VEC4, writable=True),) + rotary_bindings,
         uniforms=(
             ("seq_len", "u32"),
             ("num_heads", "u32"),
@@ -214,14 +213,7 @@ _LAYOUT_UNIFORMS = (("seq_len", "u32"), ("num_heads", "u32"), ("kv_num_heads", "
 
 def _prefill_bindings(cache: CacheFormat) -> tuple[Binding, ...]:
     """The prefill passes read prepared queries and the cache, and write the output."""
-    return (
-        Binding("prepared_query", VEC4),
-        Binding("key_cache", cache.vec),
-        Binding("value_cache", cache.vec),
-        Binding("row_past", "u32"),
-        Binding("block_plan", "u32"),
-        Binding("output", VEC4, writable=True),
-    )
+    return _attention_reads("prepared_query", cache) + (Binding("output", VEC4, writable=True),)
 
 
 def prefill_tiled(shape: CallShape, tiling: PrefillTiling, cache: CacheFormat, resources: Mapping[str, BufferRange]) -> Dispatch:
@@ -269,12 +261,7 @@ def decode_split(shape: CallShape, split: DecodeSplit, splits: int, cache: Cache
     """One workgroup per (slice, query, head, batch row): a partial softmax per slice.
     With ``fused_append`` it reads the call's own rows from the inputs (decode_merge writes them)."""
     rotary_constants, rotary_bindings = _rotary(shape)
-    bindings = (
-        Binding("query", VEC4),
-        Binding("key_cache", cache.vec),
-        Binding("value_cache", cache.vec),
-        Binding("row_past", "u32"),
-        Binding("block_plan", "u32"),
+    bindings = _attention_reads("query", cache) + (
         Binding("partial_acc", VEC4, writable=True),
         Binding("partial_stats", "vec2<f32>", writable=True),
     ) + (_new_row_bindings(shape) if fused_append else ()) + rotary_bindings
