@@ -21,6 +21,7 @@ contract"), plus those its CPU kernel misses.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -166,9 +167,10 @@ class CallShape(ShapeFacts):
     past_lengths: tuple[int, ...]
     key_totals: tuple[int, ...]
 
-    @property
+    @functools.cached_property
     def facts(self) -> ShapeFacts:
-        """The part its shapes determine (what a decode step shares with the step before)."""
+        """The part its shapes determine (what a decode step shares with the step before);
+        built once per call shape (the executor keys its launches by it every call)."""
         return ShapeFacts(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ShapeFacts)})
 
     @property

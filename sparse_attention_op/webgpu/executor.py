@@ -17,6 +17,7 @@ work of the process goes through one lock: the device and queue are one resource
 from __future__ import annotations
 
 import collections
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -264,10 +265,10 @@ class WebGPUExecutor:
         """Refuse, before any GPU work, a call whose buffers or dispatch the adapter cannot hold."""
         limit = self.context.max_binding_bytes
         rows = min(shape.max_cache_len, shape.rows_written)
-        sizes = {
-            "past_key": shape.batch_size * shape.attributes.kv_num_heads * rows * shape.head_size * np.dtype(dtype).itemsize,
-            "query": int(np.prod((shape.batch_size, shape.seq_len, shape.query_hidden))) * 4,
-            "output": int(np.prod(shape.output_shape)) * 4,
+        sizes = {  # plain ints: this runs every call
+            "past_key": shape.batch_size * shape.attributes.kv_num_heads * rows * shape.head_size * (2 if dtype is np.float16 else 4),
+            "query": shape.batch_size * shape.seq_len * shape.query_hidden * 4,
+            "output": math.prod(shape.output_shape) * 4,
         }
         for name, nbytes in sizes.items():
             if nbytes > limit:
