@@ -6,7 +6,7 @@ wakes the caller through a ``threading.Event``. Every read-back of a call pays f
 thread hand-offs and for the GIL the two threads then contend for. Dispatch, copy, map and
 read of 16 KiB (``scripts/measure_platform.py --only wgpu``, docs/design.md section 3):
 on this project's 2-core VM (lavapipe), 212-216 us this way against 302-320 us through the
-poll thread; the H200's figures are in BENCHMARKS.md.
+poll thread; on the H200 host 120-157 us against 200-226 us (BENCHMARKS.md).
 
 This module maps through the wgpu-native functions wgpu-py itself binds: it asks for the
 map, polls the device on the calling thread until the map's callback has run (a blocking
