@@ -220,8 +220,11 @@ def test_split_k_short_chunk_decode_chain(executor, rng, route):
 def test_decode_writes_its_new_rows_in_the_merge_pass_where_it_can(executor, rng, fields, passes):
     runner = executor_for(executor, dict(ROUTES[SPLIT], **fields))
     config = CaseConfig(batch=2, seq_len=1, past_lengths=(9, 30), max_cache_len=40, do_rotary=True, packed=True)
-    check(runner, config, rng, SPLIT, node_key="fused")
+    outputs = check(runner, config, rng, SPLIT, node_key="fused")
     assert [launch.label for launch in runner.node_state("fused").launch_plan.launches] == passes
+    # The next step reads the rows the first one wrote from the resident cache: none re-uploaded.
+    check(runner, dataclasses.replace(config, past_lengths=(10, 31)), rng, SPLIT, past=outputs[1:], node_key="fused")
+    assert run_executor.last_stats.history_rows_uploaded == 0
 
 
 def test_split_k_partials_stay_within_one_binding(executor, rng):

@@ -76,11 +76,15 @@ def dispatch_limits_ok(shape: CallShape, tuning: Tuning) -> bool:
     return along_x <= MAX_WORKGROUPS_PER_DIM and heads <= MAX_WORKGROUPS_PER_DIM and batch <= MAX_WORKGROUPS_PER_DIM
 
 
-def _new_row_bindings(shape: CallShape) -> tuple[Binding, ...]:
-    """The call's key/value inputs, which the passes writing the new rows read (new_rows.wgsl.jinja)."""
-    return (Binding("key_source", VEC4), Binding("value_source", VEC4))
+def _new_row_io(shape: CallShape, cache: CacheFormat) -> tuple[Binding, ...]:
+    """What a pass that writes the call's new rows binds (new_rows.wgsl.jinja): the key/value
+    inputs, the cache it writes, and the rotated keys it hands back when rotary is on."""
+    bindings = _NEW_ROW_SOURCES + (Binding("key_cache", cache.vec, writable=True), Binding("value_cache", cache.vec, writable=True))
+    return bindings + ((Binding("new_key", VEC4, writable=True),) if shape.attributes.do_rotary else ())
 
 
+#: The call's key/value inputs, which every reader of its new rows binds.
+_NEW_ROW_SOURCES = (Binding("key_source", VEC4), Binding("value_source", VEC4))
 _NEW_ROW_UNIFORMS = (("src_row_vec", "u32"), ("key_offset_vec", "u32"), ("value_offset_vec", "u32"))
 
 
@@ -103,16 +107,9 @@ def kv_append(shape: CallShape, tuning: Tuning, cache: CacheFormat, resources: M
     attrs = shape.attributes
     head_vec = shape.head_size // 4
     rotary_constants, rotary_bindings = _rotary(shape)
-    bindings = _new_row_bindings(shape) + (
-        Binding("row_past", "u32"),
-        Binding("key_cache", cache.vec, writable=True),
-        Binding("value_cache", cache.vec, writable=True),
-    )
-    if attrs.do_rotary:
-        bindings += (Binding("new_key", VEC4, writable=True),)
     program = Program(
         template="kv_append.wgsl.jinja",
-        bindings=bindings + rotary_bindings,
+        bindings=_new_row_io(shape, cache) + (Binding("row_past", "u32"),) + rotary_bindings,
         uniforms=(("count", "u32"), ("seq_len", "u32"), ("kv_num_heads", "u32"), ("cache_rows", "u32")) + _NEW_ROW_UNIFORMS
                  + (("rotary_half", "u32"),),
         constants=(("head_size", shape.head_size), ("workgroup_size", tuning.append_workgroup)) + _new_row_constants(shape, cache)
@@ -264,7 +261,7 @@ def decode_split(shape: CallShape, split: DecodeSplit, splits: int, cache: Cache
     bindings = _attention_reads("query", cache) + (
         Binding("partial_acc", VEC4, writable=True),
         Binding("partial_stats", "vec2<f32>", writable=True),
-    ) + (_new_row_bindings(shape) if fused_append else ()) + rotary_bindings
+    ) + (_NEW_ROW_SOURCES if fused_append else ()) + rotary_bindings
     uniforms = dict(_layout_uniforms(shape, cache), query_row_vec=shape.query_hidden // 4, rotary_half=shape.rotary_dim // 2,
                     scale=shape.scale, splits=splits, **(_new_row_uniforms(shape) if fused_append else {}))
     program = Program(
@@ -292,21 +289,16 @@ def decode_merge(shape: CallShape, tuning: Tuning, splits: int, cache: CacheForm
     head_vec = shape.head_size // 4
     workgroup = tuning.merge_workgroup_for(head_vec)
     rotary_constants, rotary_bindings = _rotary(shape)
-    bindings = (
-        Binding("partial_acc", VEC4),
-        Binding("partial_stats", "vec2<f32>"),
-        Binding("row_past", "u32"),
-        Binding("value_cache", cache.vec, writable=fused_append),
-        Binding("output", VEC4, writable=True),
-    )
+    bindings = (Binding("partial_acc", VEC4), Binding("partial_stats", "vec2<f32>"), Binding("row_past", "u32"), Binding("output", VEC4, writable=True))
     uniforms = dict(count=shape.batch_size * shape.seq_len * attrs.num_heads, seq_len=shape.seq_len, num_heads=attrs.num_heads,
                     kv_num_heads=attrs.kv_num_heads, cache_rows=cache.rows, splits=splits)
     declared = (("count", "u32"), ("seq_len", "u32"), ("num_heads", "u32"), ("kv_num_heads", "u32"), ("cache_rows", "u32"), ("splits", "u32"))
     if fused_append:
-        bindings += _new_row_bindings(shape) + (Binding("key_cache", cache.vec, writable=True),)
-        bindings += ((Binding("new_key", VEC4, writable=True),) if attrs.do_rotary else ()) + rotary_bindings
+        bindings += _new_row_io(shape, cache) + rotary_bindings
         uniforms.update(_new_row_uniforms(shape), rotary_half=shape.rotary_dim // 2)
         declared += _NEW_ROW_UNIFORMS + (("rotary_half", "u32"),)
+    else:
+        bindings += (Binding("value_cache", cache.vec),)  # a query that sees no key averages V
     program = Program(
         template="decode_merge.wgsl.jinja",
         bindings=bindings,
@@ -329,23 +321,19 @@ def scratch_bytes(shape: CallShape, tuning: Tuning) -> dict[str, int]:
     return {}
 
 
-def attention_dispatches(shape: CallShape, tuning: Tuning, cache: CacheFormat, resources: Mapping[str, BufferRange]) -> list[Dispatch]:
-    """The attention of one call by the pass its shape suits (tuning.attention_route)."""
+def call_dispatches(shape: CallShape, tuning: Tuning, cache: CacheFormat, resources: Mapping[str, BufferRange]) -> list[Dispatch]:
+    """Every dispatch of one call, in order: the new rows into the cache (kv_append), then the
+    attention by the pass its shape suits (tuning.attention_route). Split-K decode on GPUs
+    writes the new rows in its merge pass instead (Tuning.decode_fused_append)."""
     route = tuning.attention_route(shape)
     if route == SPLIT:
         splits, split, fused = tuning.decode_splits(shape), tuning.decode_split(shape), tuning.decode_fuses_append(shape)
-        return [decode_split(shape, split, splits, cache, resources, fused), decode_merge(shape, tuning, splits, cache, resources, fused)]
+        passes = [decode_split(shape, split, splits, cache, resources, fused), decode_merge(shape, tuning, splits, cache, resources, fused)]
+        return passes if fused else [kv_append(shape, tuning, cache, resources)] + passes
     if route == TILED:
-        return [query_prep(shape, tuning, resources), prefill_tiled(shape, tuning.prefill_tiling(shape), cache, resources)]
-    if route == ROWS:
-        return [query_prep(shape, tuning, resources), prefill_rows(shape, tuning, cache, resources)]
-    return [attention(shape, tuning, cache, resources)]
-
-
-def call_dispatches(shape: CallShape, tuning: Tuning, cache: CacheFormat, resources: Mapping[str, BufferRange]) -> list[Dispatch]:
-    """Every dispatch of one call, in order: the new rows into the cache first, unless the
-    decode passes write them themselves."""
-    attention = attention_dispatches(shape, tuning, cache, resources)
-    if tuning.attention_route(shape) == SPLIT and tuning.decode_fuses_append(shape):
-        return attention
-    return [kv_append(shape, tuning, cache, resources)] + attention
+        passes = [query_prep(shape, tuning, resources), prefill_tiled(shape, tuning.prefill_tiling(shape), cache, resources)]
+    elif route == ROWS:
+        passes = [query_prep(shape, tuning, resources), prefill_rows(shape, tuning, cache, resources)]
+    else:
+        passes = [attention(shape, tuning, cache, resources)]
+    return [kv_append(shape, tuning, cache, resources)] + passes
