@@ -56,7 +56,7 @@ def profile(kv_check: str, way: str, capacity: int, history: int, steps: int, rn
     driver = Prompter(session, prefill, rng) if prefill else Decoder(session, capacity, history, way, rng)
     for _ in range(3):
         driver.step()
-    runs, phases = [], collections.defaultdict(list)
+    runs, phases, passes = [], collections.defaultdict(list), collections.defaultdict(list)
     for _ in range(steps):
         runs.append(driver.step())
         stats = node_stats(session)
@@ -65,6 +65,8 @@ def profile(kv_check: str, way: str, capacity: int, history: int, steps: int, rn
         phases["(op wall)"].append(stats.seconds)
         if stats.gpu_total is not None:
             phases["(GPU)"].append(stats.gpu_total)
+            for label, seconds in stats.gpu_seconds.items():
+                passes[label].append(seconds)
     trace = session.end_profiling()
     with open(trace) as handle:
         events = json.load(handle)
@@ -88,6 +90,8 @@ def profile(kv_check: str, way: str, capacity: int, history: int, steps: int, rn
     model_run = statistics.median(e["dur"] for e in per_run) if per_run else 0
     print(f"| (model_run, median) | | {model_run:.1f} |\n| (between nodes) | | {model_run - total:.1f} |")
     print("\nkernel op phases (us, median): " + ", ".join(f"{k} {statistics.median(v) * 1e6:.0f}" for k, v in phases.items()))
+    if passes:
+        print("GPU passes (us, median): " + ", ".join(f"{k} {statistics.median(v) * 1e6:.0f}" for k, v in passes.items()))
 
 
 def main() -> int:

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 from onnxruntime_extensions import PyCustomOpDef, onnx_op
 
-from . import _ortx_compat
+from . import _ortx_compat, host_memory
 from .cache_record import probe_chunks, probe_row_indices
 from .presents import scatter_indices
 from .spec import SHAPED_INPUTS, CallShape, OpAttributes, ShapeFacts, SparseAttentionError, assemble_call, describe_lengths, describe_shapes
@@ -431,6 +431,7 @@ def register() -> None:
         if _registered:
             return
         _ortx_compat.check_version()
+        host_memory.keep_large_blocks()  # the bridge's copies of large inputs, warm from call to call
         common = dict(attrs=_ATTRIBUTE_TYPES, raw_attributes=True)
         register_array_op(plan_op, _plan_poison, op_type=f"{BRIDGE_DOMAIN}::{PLAN_OP}", inputs=_SHAPES + [_I32, _I32],
                           outputs=[_I64] * 7, **common)

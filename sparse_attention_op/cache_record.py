@@ -88,7 +88,7 @@ class Digests:
         if self._scratch.size < size:
             self._scratch = np.empty(size, np.float32)
         out = self._scratch[:size].reshape(rows.shape)
-        np.copyto(out, rows, casting="same_kind")
+        host_threads.copy(out, rows)  # a prompt's value rows: tens of MB, strided
         return out
 
     def of_chunks(self, rows: np.ndarray, chunks: int) -> np.ndarray:

@@ -1,5 +1,5 @@
 """A small thread pool for the host's bulk work: copies into and out of mapped GPU memory,
-and digests of history rows.
+copies that make rows contiguous, and digests of history rows.
 
 numpy releases the GIL inside large copies and matrix products, so a few threads turn a
 single-core memcpy (about 10 GB/s, less in a VM that faults fresh pages in) into several
@@ -38,9 +38,10 @@ def split(count: int, parts: int) -> list[tuple[int, int]]:
 
 
 def copy(destination: np.ndarray, source: np.ndarray) -> None:
-    """destination[...] = source for two flat uint8 arrays of one size, in parallel when large."""
-    if destination.nbytes < PARALLEL_BYTES or workers() == 1:
-        np.copyto(destination, source)
+    """destination[...] = source for arrays of one shape (a float16 source may fill a float32
+    destination), split along the first axis over the pool when large."""
+    if destination.nbytes < PARALLEL_BYTES or workers() == 1 or destination.ndim == 0 or destination.shape[0] < 2:
+        np.copyto(destination, source, casting="same_kind")
         return
-    ranges = split(destination.nbytes, workers())
-    list(pool().map(lambda r: np.copyto(destination[r[0] : r[1]], source[r[0] : r[1]]), ranges))
+    ranges = split(destination.shape[0], workers())
+    list(pool().map(lambda r: np.copyto(destination[r[0] : r[1]], source[r[0] : r[1]], casting="same_kind"), ranges))

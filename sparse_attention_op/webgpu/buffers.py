@@ -127,30 +127,31 @@ class Upload:
         """Bytes of host data this upload moves."""
         return sum(a.nbytes for a, _ in self._sections) + sum(a.nbytes for a, _, _ in self._writes)
 
-    def encode(self, device, encoder, pool: BufferPool, inputs) -> None:
-        """Queue every section into ``inputs`` and every write into its buffer, ahead of the
-        dispatches the caller encodes next."""
+    def encode(self, device, commands, pool: BufferPool, inputs, spin_seconds: float = 0.0) -> None:
+        """Record every section into ``inputs`` and every write into its buffer, ahead of the
+        dispatches the caller records next (``commands``: a recording.py recording;
+        ``spin_seconds``: see mapping.mapped)."""
         items = [(array, inputs, offset) for array, offset in self._sections] + self._writes
         total = sum(aligned(array.nbytes) for array, _, _ in items)
         if total > STAGING_BYTES:
-            self._through_staging(items, total, device, encoder, pool)
+            self._through_staging(items, total, device, commands, pool, spin_seconds)
         elif self._sections and self.section_bytes <= _PACK_BYTES:
             packed = np.zeros(self.section_bytes, np.uint8)
             for array, offset in self._sections:
                 packed[offset : offset + array.nbytes] = array.reshape(-1).view(np.uint8)
-            device.queue.write_buffer(inputs, 0, packed)
+            commands.write_buffer(inputs, 0, packed)
             for array, destination, offset in self._writes:
-                _write(device.queue, destination, offset, array)
+                _write(commands, destination, offset, array)
         else:
             for array, destination, offset in items:
-                _write(device.queue, destination, offset, array)
+                _write(commands, destination, offset, array)
 
     @staticmethod
-    def _through_staging(items, total: int, device, encoder, pool: BufferPool) -> None:
+    def _through_staging(items, total: int, device, commands, pool: BufferPool, spin_seconds: float) -> None:
         kept = total <= _KEEP_STAGING_BYTES
         usage = wgpu.BufferUsage.MAP_WRITE | wgpu.BufferUsage.COPY_SRC
         staging = pool.get("upload", total, usage) if kept else device.create_buffer(size=aligned(total), usage=usage)
-        with mapped(device, staging, True, 0, aligned(total)) as memory:
+        with mapped(device, staging, True, 0, aligned(total), spin_seconds) as memory:
             offset = 0
             for array, destination, destination_offset in items:
                 data = array.reshape(-1).view(np.uint8)
@@ -158,7 +159,7 @@ class Upload:
                 offset += aligned(data.nbytes)
         offset = 0
         for array, destination, destination_offset in items:
-            encoder.copy_buffer_to_buffer(staging, offset, destination, destination_offset, -(-array.nbytes // 4) * 4)
+            commands.copy_buffer_to_buffer(staging, offset, destination, destination_offset, -(-array.nbytes // 4) * 4)
             offset += aligned(array.nbytes)
         if not kept:
             # Destroyed only after the submit that reads it (a destroyed buffer in a submit
@@ -166,11 +167,11 @@ class Upload:
             pool.temporaries.append(staging)
 
 
-def _write(queue, buffer, offset: int, array: np.ndarray) -> None:
+def _write(commands, buffer, offset: int, array: np.ndarray) -> None:
     data = array.reshape(-1).view(np.uint8)
     if data.nbytes % 4:  # copies move whole 4-byte words
         data = np.concatenate([data, np.zeros(4 - data.nbytes % 4, np.uint8)])
-    queue.write_buffer(buffer, offset, data)
+    commands.write_buffer(buffer, offset, data)
 
 
 class Download:
@@ -179,9 +180,10 @@ class Download:
     The read-back buffer is kept between calls (a fresh one would fault its pages in on
     every large call), sized by the largest call so far."""
 
-    def __init__(self, pool: BufferPool, device):
+    def __init__(self, pool: BufferPool, device, spin_seconds: float = 0.0):
         self._pool = pool
         self._device = device
+        self._spin_seconds = spin_seconds  # see mapping.mapped
         self._items: list[tuple[np.ndarray, BufferRange, int]] = []
         self._size = 0
         self._staging = None
@@ -190,7 +192,7 @@ class Download:
         self._items.append((destination, source, self._size))
         self._size += aligned(destination.nbytes)
 
-    def encode(self, encoder) -> None:
+    def encode(self, commands) -> None:
         if not self._items:
             return
         self._staging = self._pool.get("readback", self._size, wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
@@ -204,12 +206,12 @@ class Download:
             else:
                 runs.append([source.buffer, source.offset, offset, end])
         for buffer, source_offset, offset, end in runs:
-            encoder.copy_buffer_to_buffer(buffer, source_offset, self._staging, offset, end - offset)
+            commands.copy_buffer_to_buffer(buffer, source_offset, self._staging, offset, end - offset)
 
     def read(self) -> None:
         """Wait for the GPU, then copy each range into its host array."""
         if self._staging is None:
             return
-        with mapped(self._device, self._staging, False, 0, self._size) as memory:
+        with mapped(self._device, self._staging, False, 0, self._size, self._spin_seconds) as memory:
             for destination, _, offset in self._items:
                 host_threads.copy(destination.reshape(-1).view(np.uint8), memory[offset : offset + destination.nbytes])

@@ -27,7 +27,7 @@ import wgpu
 
 from ..block_plan import BlockPlan, BlockPlanCache
 from ..spec import CallShape, SparseAttentionCall, SparseAttentionError
-from . import kernels
+from . import kernels, recording
 from .buffers import STORAGE_IN, STORAGE_OUT, UNIFORM, BufferPool, Download, GpuBufferError, Upload, aligned
 from .device import GpuContext, get_context
 from .kv_cache import ResidentCache
@@ -344,21 +344,28 @@ class WebGPUExecutor:
 
         # 3. One command buffer: the uploads, every dispatch, then the read-back copies.
         tick = time.perf_counter()
-        encoder = device.create_command_encoder()
-        upload.encode(device, encoder, self._scratch, inputs)
-        timed = self._record(encoder, launches, settings.profile)
-        download = Download(self._scratch, device)
-        download.add(output, resources["output"])
-        if new_key is not None:
-            download.add(new_key, resources["new_key"])
+        timed = settings.profile and "timestamp-query" in self.context.features
+        commands = recording.begin(device, timed)
+        download = Download(self._scratch, device, self.tuning.map_spin_seconds)
         ticks = None
-        if timed:
-            query_set, resolved = self._timestamps
-            encoder.resolve_query_set(query_set, 0, 2 * len(launches), resolved, 0)
-            ticks = np.zeros(2 * len(launches), np.uint64)
-            download.add(ticks, BufferRange(resolved))
-        download.encode(encoder)
-        device.queue.submit([encoder.finish()])
+        try:
+            upload.encode(device, commands, self._scratch, inputs, self.tuning.map_spin_seconds)
+            if timed:
+                query_set, resolved = self._timestamps_for(2 * len(launches))
+                commands.compute_pass(launches, query_set)
+                commands.resolve_query_set(query_set, 2 * len(launches), resolved)
+            else:
+                commands.compute_pass(launches)
+            download.add(output, resources["output"])
+            if new_key is not None:
+                download.add(new_key, resources["new_key"])
+            if timed:
+                ticks = np.zeros(2 * len(launches), np.uint64)
+                download.add(ticks, BufferRange(resolved))
+            download.encode(commands)
+            commands.submit()
+        finally:
+            commands.release()
         self._scratch.release_temporaries()
         phases["encode_submit"] = time.perf_counter() - tick
 
@@ -406,31 +413,14 @@ class WebGPUExecutor:
         state.launch_plan = LaunchPlan(key, launches)
         return launches
 
-    def _record(self, encoder, launches: list[Launch], profile: bool) -> bool:
-        """Record the launches: one compute pass, or one each with timestamps when profiling."""
-        timed = profile and "timestamp-query" in self.context.features
-        if timed:
-            self._ensure_timestamps(2 * len(launches))
-        compute = None if timed else encoder.begin_compute_pass()
-        for index, launch in enumerate(launches):
-            if timed:
-                writes = {"query_set": self._timestamps[0], "beginning_of_pass_write_index": 2 * index, "end_of_pass_write_index": 2 * index + 1}
-                compute = encoder.begin_compute_pass(timestamp_writes=writes)
-            compute.set_pipeline(launch.pipeline)
-            compute.set_bind_group(0, launch.bind_group)
-            compute.dispatch_workgroups(*launch.workgroups)
-            if timed:
-                compute.end()
-        if not timed:
-            compute.end()
-        return timed
-
-    def _ensure_timestamps(self, count: int) -> None:
+    def _timestamps_for(self, count: int):
+        """A query set of at least ``count`` timestamps and the buffer they resolve into."""
         if self._timestamps is None or self._timestamps[0].count < count:
             device = self.context.device
             query_set = device.create_query_set(type=wgpu.QueryType.timestamp, count=max(count, 8))
             resolved = device.create_buffer(size=8 * max(count, 8), usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC)
             self._timestamps = (query_set, resolved)
+        return self._timestamps
 
 
 _executor = ProcessWide(WebGPUExecutor)

@@ -20,17 +20,15 @@ have these internals (another wgpu version than pyproject allows), the public AP
 from __future__ import annotations
 
 import contextlib
-import os
+import time
 
 import numpy as np
 import wgpu
 
-try:  # wgpu-py's native backend: its cffi handle and the library functions it binds.
-    from wgpu.backends.wgpu_native._api import libf as _libf
-    from wgpu.backends.wgpu_native._ffi import ffi as _ffi
-    from wgpu.backends.wgpu_native._ffi import lib as _lib
-except ImportError:  # pragma: no cover - another wgpu version
-    _libf = _ffi = _lib = None
+from .native import enabled
+from .native import ffi as _ffi
+from .native import lib as _lib
+from .native import libf as _libf
 
 #: A blocking poll returns once the queue's submissions are done, so a map over finished
 #: work resolves in the first poll. More polls than this mean the map can never resolve.
@@ -46,7 +44,7 @@ class MapError(wgpu.GPUError):
 #: resolved are kept here, as their callback may still come.
 _abandoned_cells: list = []
 #: Off (``SAO_WGPU_MAPS=public``): wgpu-py's own maps, for measuring the two paths.
-NATIVE = _libf is not None and os.environ.get("SAO_WGPU_MAPS") != "public"
+NATIVE = enabled("SAO_WGPU_MAPS")
 
 
 def _on_map(status, _message, userdata, _userdata2):
@@ -59,11 +57,12 @@ _callback = _ffi.callback("void(WGPUMapAsyncStatus, WGPUStringView, void *, void
 
 
 @contextlib.contextmanager
-def mapped(device, buffer, write: bool, offset: int, size: int):
+def mapped(device, buffer, write: bool, offset: int, size: int, spin_seconds: float = 0.0):
     """Map ``size`` bytes of ``buffer`` at ``offset`` for reading or writing and yield them
     as a uint8 array (read-only when reading); unmapped when the block ends.
 
-    A read map must follow the submit that filled the buffer: it waits for that work."""
+    A read map must follow the submit that filled the buffer: it waits for that work. For
+    up to ``spin_seconds`` the wait polls without blocking, then it blocks (see _wait)."""
     if not NATIVE:  # another wgpu version, or SAO_WGPU_MAPS=public
         try:
             yield _mapped_public(buffer, write, offset, size)
@@ -78,10 +77,7 @@ def mapped(device, buffer, write: bool, offset: int, size: int):
     except BaseException:
         _abandoned_cells.append(cell)  # a refused map may still call back
         raise
-    for _ in range(_MAX_POLLS):
-        if cell[0] != -1:
-            break
-        _libf.wgpuDevicePoll(device._internal, True, _ffi.NULL)
+    _wait(device, cell, spin_seconds)
     status = cell[0]
     if status != _lib.WGPUMapAsyncStatus_Success:
         if status == -1:
@@ -99,6 +95,24 @@ def mapped(device, buffer, write: bool, offset: int, size: int):
     finally:
         # The caller has copied what it needs: the memory goes away with the unmap.
         _libf.wgpuBufferUnmap(buffer._internal)
+
+
+def _wait(device, cell, spin_seconds: float) -> None:
+    """Poll until the map's callback has written ``cell``.
+
+    A blocking poll sleeps in the driver until the GPU signals: the thread then wakes on a
+    core that may have dropped its clock and its caches, and a decode step's GPU work is
+    tens of microseconds. So on GPUs the wait first spins on non-blocking polls (about 2 us
+    each) for a short while, as CUDA's default schedule does; CPU adapters pass 0, since
+    there a spinning thread takes a core from the driver's own workers."""
+    if spin_seconds > 0:
+        deadline = time.perf_counter() + spin_seconds
+        while cell[0] == -1 and time.perf_counter() < deadline:
+            _libf.wgpuDevicePoll(device._internal, False, _ffi.NULL)
+    for _ in range(_MAX_POLLS):
+        if cell[0] != -1:
+            return
+        _libf.wgpuDevicePoll(device._internal, True, _ffi.NULL)
 
 
 def _mapped_public(buffer, write: bool, offset: int, size: int) -> np.ndarray:

@@ -230,6 +230,12 @@ class Tuning:
     #: (and its host calls) less per step. Needs 11 storage buffers per pass with rotary.
     decode_fused_append: bool = True
 
+    # -- the host's waits ----------------------------------------------------------------
+    #: A map waits this long on non-blocking polls before it sleeps in a blocking one
+    #: (mapping._wait): a decode step's GPU work is shorter than the wake-up of a sleeping
+    #: thread. CPU adapters: 0 (choose_tuning), a spinning thread takes a core from lavapipe.
+    map_spin_seconds: float = 0.002
+
     # -- shape-dependent choices -----------------------------------------------------------
     def attention_queries(self, shape: CallShape) -> int:
         """Decode has one query per head, so a tile would only idle; prefill shares each
@@ -366,6 +372,8 @@ def choose_tuning(limits: dict, features: frozenset, adapter_type: str | None = 
     tuning = Tuning(workgroup_storage_bytes=workgroup_bytes, max_binding_bytes=binding_bytes, max_invocations=invocations,
                     max_storage_buffers=storage_buffers)
     cpu = adapter_type == "CPU" if adapter_type is not None else looks_like_cpu(limits)
+    if cpu:
+        tuning = dataclasses.replace(tuning, map_spin_seconds=0.0)
     if cpu and "subgroup" in features:
         tuning = dataclasses.replace(tuning, **CPU_FIELDS)
     return tuning
