@@ -232,12 +232,11 @@ def main() -> int:
     args = parser.parse_args()
     cases = [case for case in (QUICK if args.quick else ACCEPTANCE) if not args.only or args.only in "/".join(map(str, case))]
     for _, _, capacity, history in cases:
-        # Warm-up and timed steps each add a row: past the capacity, the history stops
-        # growing, the fed past no longer matches the cache and every step measures the
-        # fallback instead of a decode step.
-        if history + WARMUP_STEPS + args.steps >= capacity:
+        # Warm-up and timed steps each add a row, and a step needs a free row: a history
+        # that reached the capacity would end the case in an error.
+        if history + WARMUP_STEPS + args.steps > capacity:
             parser.error(f"--steps {args.steps}: history {history} would reach capacity {capacity} "
-                         f"(at most {capacity - history - WARMUP_STEPS - 1} steps for this case)")
+                         f"(at most {capacity - history - WARMUP_STEPS} steps for this case)")
 
     executor = get_executor()
     rng = np.random.default_rng(0)

@@ -40,6 +40,8 @@ def split(count: int, parts: int) -> list[tuple[int, int]]:
 def copy(destination: np.ndarray, source: np.ndarray) -> None:
     """destination[...] = source for arrays of one shape (a float16 source may fill a float32
     destination), split along the first axis over the pool when large."""
+    if destination.shape != source.shape:
+        raise ValueError(f"copy: destination {destination.shape} and source {source.shape} differ")
     if destination.nbytes < PARALLEL_BYTES or workers() == 1 or destination.ndim == 0 or destination.shape[0] < 2:
         np.copyto(destination, source, casting="same_kind")
         return

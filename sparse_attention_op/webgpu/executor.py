@@ -366,7 +366,7 @@ class WebGPUExecutor:
             commands.submit()
         finally:
             commands.release()
-        self._scratch.release_temporaries()
+            self._scratch.release_temporaries()  # after the submit, or with the failed recording
         phases["encode_submit"] = time.perf_counter() - tick
 
         tick = time.perf_counter()

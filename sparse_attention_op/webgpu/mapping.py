@@ -74,10 +74,13 @@ def mapped(device, buffer, write: bool, offset: int, size: int, spin_seconds: fl
                                                     "userdata1": cell})
     try:
         _libf.wgpuBufferMapAsync(buffer._internal, _lib.WGPUMapMode_Write if write else _lib.WGPUMapMode_Read, offset, size, info[0])
+        _wait(device, cell, spin_seconds)
     except BaseException:
-        _abandoned_cells.append(cell)  # a refused map may still call back
+        # A refused map, or a poll that raised (another error reported during it, an
+        # interrupt): the callback may still come, so its cell must outlive this call.
+        _abandoned_cells.append(cell)
+        _libf.wgpuBufferUnmap(buffer._internal)  # cancels a map still pending
         raise
-    _wait(device, cell, spin_seconds)
     status = cell[0]
     if status != _lib.WGPUMapAsyncStatus_Success:
         if status == -1:

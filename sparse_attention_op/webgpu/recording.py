@@ -11,12 +11,15 @@ through the function table wgpu-py uses (native.py), so a validation error still
 uses it when timing dispatches (timestamp writes) and where the internals are missing or
 ``SAO_WGPU_COMMANDS=public`` asks for it.
 
-Both offer what a call records, and nothing else:
+Both offer what a call records:
 
 * ``write_buffer(buffer, offset, data)``: a queue write (it lands before the submit's work);
 * ``copy_buffer_to_buffer(source, source_offset, destination, destination_offset, size)``;
 * ``compute_pass(launches)``: set pipeline, bind group 0 and dispatch, per launch;
 * ``submit()``, and ``release()`` (idempotent) for a recording abandoned on an error.
+
+Timing adds ``compute_pass(launches, query_set)`` and ``resolve_query_set``, on
+:class:`WgpuPyRecording` only.
 """
 
 from __future__ import annotations
