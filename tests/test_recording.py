@@ -1,13 +1,12 @@
 """A call's commands recorded through wgpu-native directly or through wgpu-py (recording.py)."""
 
-import dataclasses
-
 import numpy as np
 import pytest
 import wgpu
 
 from sparse_attention_op.inputs import CaseConfig
 from sparse_attention_op.webgpu import get_executor, recording
+from sparse_attention_op.webgpu.executor import Launch
 from sparse_attention_op.webgpu.mapping import mapped
 from sparse_attention_op.webgpu.recording import NativeRecording, WgpuPyRecording
 from test_executor import decode_chain
@@ -20,13 +19,6 @@ _DOUBLE = """
   if (id.x < arrayLength(&data)) { data[id.x] = data[id.x] * 2u + 1u; }
 }
 """
-
-
-@dataclasses.dataclass
-class _Launch:  # what the executor's Launch carries
-    pipeline: object
-    bind_group: object
-    workgroups: tuple
 
 
 def _run(make, device, launch, storage, readback, values):
@@ -49,7 +41,7 @@ def test_write_dispatch_copy_submit(make):
     storage = device.create_buffer(size=4096, usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_DST | wgpu.BufferUsage.COPY_SRC)
     readback = device.create_buffer(size=4096, usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
     group = device.create_bind_group(layout=pipeline.get_bind_group_layout(0), entries=[{"binding": 0, "resource": {"buffer": storage}}])
-    launch = _Launch(pipeline, group, (16, 1, 1))
+    launch = Launch("double", pipeline, group, (16, 1, 1))
     values = np.random.default_rng(0).integers(0, 1 << 20, 1024, dtype=np.uint32)
     for _ in range(2):  # the same objects recorded again
         np.testing.assert_array_equal(_run(make, device, launch, storage, readback, values), (values * 2 + 1) * 2 + 1)
@@ -72,3 +64,21 @@ def test_calls_give_the_same_results_through_wgpu_py(monkeypatch, executor, rng)
     monkeypatch.setattr(recording, "NATIVE", False)
     config = CaseConfig(batch=2, seq_len=5, prompt_lengths=(5, 3), max_cache_len=40, sparse_block_size=8)
     decode_chain(executor, config, rng, steps=4, node_key="wgpu-py recording")
+
+
+def test_profiled_calls_time_every_dispatch_and_keep_their_results(executor, rng):
+    """profile=True records through wgpu-py with one timed pass per dispatch."""
+    from helpers import assert_matches_reference, run_executor
+    from sparse_attention_op.inputs import random_inputs
+
+    if "timestamp-query" not in executor.context.features:
+        pytest.skip("the adapter has no timestamp queries")
+    for config in (CaseConfig(seq_len=40, max_cache_len=64, sparse_block_size=8),  # a prompt: several passes
+                   CaseConfig(seq_len=1, past_lengths=(40,), max_cache_len=64, sparse_block_size=8)):  # decode
+        inputs = random_inputs(config, rng)
+        outputs = run_executor(executor, inputs, config.node_attributes(), "profiled", profile=True)
+        assert_matches_reference(outputs, inputs, config.node_attributes(), what=str(config))
+        launches = executor.node_state("profiled").launch_plan.launches
+        stats = run_executor.last_stats
+        assert list(stats.gpu_seconds) == [launch.label for launch in launches]
+        assert all(seconds > 0 for seconds in stats.gpu_seconds.values())

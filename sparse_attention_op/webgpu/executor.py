@@ -345,23 +345,22 @@ class WebGPUExecutor:
         # 3. One command buffer: the uploads, every dispatch, then the read-back copies.
         tick = time.perf_counter()
         timed = settings.profile and "timestamp-query" in self.context.features
-        commands = recording.begin(device, timed)
         download = Download(self._scratch, device, self.tuning.map_spin_seconds)
+        download.add(output, resources["output"])
+        if new_key is not None:
+            download.add(new_key, resources["new_key"])
         ticks = None
+        commands = recording.begin(device, timed)
         try:
             upload.encode(device, commands, self._scratch, inputs, self.tuning.map_spin_seconds)
             if timed:
                 query_set, resolved = self._timestamps_for(2 * len(launches))
                 commands.compute_pass(launches, query_set)
                 commands.resolve_query_set(query_set, 2 * len(launches), resolved)
-            else:
-                commands.compute_pass(launches)
-            download.add(output, resources["output"])
-            if new_key is not None:
-                download.add(new_key, resources["new_key"])
-            if timed:
                 ticks = np.zeros(2 * len(launches), np.uint64)
                 download.add(ticks, BufferRange(resolved))
+            else:
+                commands.compute_pass(launches)
             download.encode(commands)
             commands.submit()
         finally:

@@ -326,14 +326,14 @@ def call_dispatches(shape: CallShape, tuning: Tuning, cache: CacheFormat, resour
     attention by the pass its shape suits (tuning.attention_route). Split-K decode on GPUs
     writes the new rows in its merge pass instead (Tuning.decode_fused_append)."""
     route = tuning.attention_route(shape)
+    fused = route == SPLIT and tuning.decode_fuses_append(shape)
     if route == SPLIT:
-        splits, split, fused = tuning.decode_splits(shape), tuning.decode_split(shape), tuning.decode_fuses_append(shape)
+        splits, split = tuning.decode_splits(shape), tuning.decode_split(shape)
         passes = [decode_split(shape, split, splits, cache, resources, fused), decode_merge(shape, tuning, splits, cache, resources, fused)]
-        return passes if fused else [kv_append(shape, tuning, cache, resources)] + passes
-    if route == TILED:
+    elif route == TILED:
         passes = [query_prep(shape, tuning, resources), prefill_tiled(shape, tuning.prefill_tiling(shape), cache, resources)]
     elif route == ROWS:
         passes = [query_prep(shape, tuning, resources), prefill_rows(shape, tuning, cache, resources)]
     else:
         passes = [attention(shape, tuning, cache, resources)]
-    return [kv_append(shape, tuning, cache, resources)] + passes
+    return passes if fused else [kv_append(shape, tuning, cache, resources)] + passes

@@ -97,18 +97,15 @@ class WgpuPyRecording:
     def compute_pass(self, launches, query_set=None) -> None:
         """One pass; with a ``query_set``, one pass per launch that writes its start and end
         timestamps at indices 2i and 2i+1 instead."""
-        compute = None
-        for index, launch in enumerate(launches):
-            if query_set is not None or compute is None:
-                writes = None if query_set is None else {
-                    "query_set": query_set, "beginning_of_pass_write_index": 2 * index, "end_of_pass_write_index": 2 * index + 1}
-                compute = self._encoder.begin_compute_pass(timestamp_writes=writes)
-            compute.set_pipeline(launch.pipeline)
-            compute.set_bind_group(0, launch.bind_group)
-            compute.dispatch_workgroups(*launch.workgroups)
-            if query_set is not None:
-                compute.end()
-        if query_set is None and compute is not None:
+        groups = [launches] if query_set is None else [[launch] for launch in launches]
+        for index, recorded in enumerate(groups):
+            writes = None if query_set is None else {
+                "query_set": query_set, "beginning_of_pass_write_index": 2 * index, "end_of_pass_write_index": 2 * index + 1}
+            compute = self._encoder.begin_compute_pass(timestamp_writes=writes)
+            for launch in recorded:
+                compute.set_pipeline(launch.pipeline)
+                compute.set_bind_group(0, launch.bind_group)
+                compute.dispatch_workgroups(*launch.workgroups)
             compute.end()
 
     def resolve_query_set(self, query_set, count: int, destination) -> None:
