@@ -74,6 +74,9 @@ _ATTRIBUTE_TYPES = {
 }
 #: Poison that no Gather/ScatterND accepts as an index.
 _BAD_INDEX = np.int64(2**62)
+#: An empty index list (no probe rows, no rotary rows), shared: the bridge copies outputs.
+_NO_ROWS = np.zeros(0, np.int64)
+_NO_ROWS.flags.writeable = False
 
 log = logging.getLogger(__name__)
 
@@ -180,20 +183,44 @@ def _shapes(arrays) -> dict:
     return shapes
 
 
-_shape_facts: dict[tuple, ShapeFacts] = {}
+@dataclass(frozen=True)
+class _KnownShapes:
+    """What a set of input shapes decides, worked out once: the shape facts, and the plan
+    op's outputs that follow from them alone (the native Reshapes' target shapes)."""
+
+    facts: ShapeFacts
+    past_rows_shape: np.ndarray
+    split_shape: np.ndarray
+    output_shape: np.ndarray
+
+    @classmethod
+    def of(cls, facts: ShapeFacts) -> _KnownShapes:
+        attrs, b, h = facts.attributes, facts.batch_size, facts.head_size
+        split_heads = attrs.num_heads + 2 * attrs.kv_num_heads if facts.packed_qkv else attrs.kv_num_heads
+        arrays = ([b * attrs.kv_num_heads * facts.max_cache_len, h], [b, facts.seq_len, split_heads, h],
+                  [b, facts.seq_len, attrs.num_heads * h])
+        frozen = []
+        for values in arrays:
+            array = np.array(values, np.int64)
+            array.flags.writeable = False  # handed out every call (the bridge copies outputs)
+            frozen.append(array)
+        return cls(facts, *frozen)
 
 
-def _describe(info: NodeInfo, shape_arrays, total, key_totals) -> CallShape:
+_known_shapes: dict[tuple, _KnownShapes] = {}
+
+
+def _describe(info: NodeInfo, shape_arrays, total, key_totals) -> tuple[CallShape, _KnownShapes]:
     """describe_call, remembered by shapes: a decode step has the shapes of the step before
     it, so only the length rules run again."""
     shapes_key = (info.attributes, b"".join(a.tobytes() for a in shape_arrays), tuple(len(a) for a in shape_arrays))
-    facts = _shape_facts.get(shapes_key)
-    if facts is None:
-        facts = describe_shapes(info.attributes, _shapes(shape_arrays))
-        if len(_shape_facts) > 256:
-            _shape_facts.clear()
-        _shape_facts[shapes_key] = facts
-    return describe_lengths(facts, total, key_totals)
+    known = _known_shapes.get(shapes_key)
+    if known is None:
+        known = _KnownShapes.of(describe_shapes(info.attributes, _shapes(shape_arrays)))
+        if len(_known_shapes) > 256:
+            _known_shapes.clear()
+        _known_shapes[shapes_key] = known
+    return describe_lengths(known.facts, total, key_totals), known
 
 
 class _PlanRefused(Exception):
@@ -205,27 +232,37 @@ class _Tickets:
 
     The plan op hands a ticket (a one-element int64 tensor) to the two later ops instead of
     the eleven shape and length tensors they would otherwise take and describe again: fewer
-    inputs for the bridge to copy, no second description. Per thread: ORT runs the three ops
-    of one node on the thread that called ``run`` (sequential execution), in data order.
-    A session's entries go when it closes (:meth:`forget`).
+    inputs for the bridge to copy, no second description. The fast check's probe chunks
+    travel with it too (the plan op chose them). Per thread: ORT runs the three ops of one
+    node on the thread that called ``run`` (sequential execution), in data order. A
+    session's entries go when it closes (:meth:`forget`).
     """
 
     REFUSED = -1
 
     def __init__(self):
-        self._issued: dict[tuple[int, str], tuple[int, CallShape]] = {}
+        self._issued: dict[tuple[int, str], tuple[int, CallShape, tuple | None]] = {}
         self._count = 0
         # Re-entrant: a session's finaliser (forget) can run inside issue on the same thread.
         self._lock = threading.RLock()
 
-    def issue(self, node_key: str, shape: CallShape) -> np.ndarray:
+    def issue(self, node_key: str, shape: CallShape, probes: tuple | None = None) -> np.ndarray:
+        """A ticket for ``shape`` (and the fast check's ``(chunk_rows, probe chunks)``, if any)."""
         with self._lock:
             self._count += 1
             number = self._count
-            self._issued[(threading.get_ident(), node_key)] = (number, shape)
+            self._issued[(threading.get_ident(), node_key)] = (number, shape, probes)
         return np.array([number], np.int64)
 
     def redeem(self, node_key: str, ticket: np.ndarray) -> CallShape:
+        return self._redeemed(node_key, ticket)[1]
+
+    def redeem_probes(self, node_key: str, ticket: np.ndarray) -> tuple[CallShape, tuple | None]:
+        """The shape and the probes the plan op issued the ticket with."""
+        _, shape, probes = self._redeemed(node_key, ticket)
+        return shape, probes
+
+    def _redeemed(self, node_key: str, ticket: np.ndarray) -> tuple:
         number = int(ticket.reshape(-1)[0]) if ticket.size == 1 else self.REFUSED
         if number == self.REFUSED:
             raise _PlanRefused()
@@ -234,7 +271,7 @@ class _Tickets:
             raise SparseAttentionError(
                 f"SparseAttention: ticket {number} of node {node_key} was not issued by its plan op on this thread: the node's "
                 "three ops must run on one thread, in order (sequential execution, which sparse_attention_op.session.session_options() sets)")
-        return issued[1]
+        return issued
 
     def forget(self, token: str) -> None:
         """Drop the entries of a closed session's nodes (every thread's)."""
@@ -253,19 +290,12 @@ def _executor():
 
 
 def _settings(info: NodeInfo):
-    from .webgpu.executor import ExecutionSettings
+    settings = records.settings(info.token)
+    if settings is None:  # a plain InferenceSession over prepare_model's output: the defaults
+        from .webgpu.executor import ExecutionSettings
 
-    return records.settings(info.token) or ExecutionSettings()
-
-
-@functools.lru_cache(maxsize=64)
-def _probes(info: NodeInfo, shape: CallShape) -> tuple[int, np.ndarray]:
-    """The fast check's rows per chunk and probe chunks: computed once for the plan op and the
-    check op of one call (they see the same node and shape)."""
-    chunk_rows = _chunk_rows(info, shape.head_size, _settings(info))
-    probes = probe_chunks(shape.past_lengths, chunk_rows, shape.total_sequence_length)
-    probes.flags.writeable = False
-    return chunk_rows, probes
+        settings = ExecutionSettings()
+    return settings
 
 
 @functools.lru_cache(maxsize=256)
@@ -282,25 +312,24 @@ def plan_op(*inputs, **attributes):
     outputs, so this op's own check runs first and its message is the one reported."""
     info = node_info(attributes)
     shape_arrays, (total, key_totals) = inputs[: len(SHAPED_INPUTS)], inputs[len(SHAPED_INPUTS) :]
-    shape = _describe(info, shape_arrays, total, key_totals)
+    shape, known = _describe(info, shape_arrays, total, key_totals)
+    probes = None
     if info.kv_check == "fast" and not shape.is_prompt:
-        chunk_rows, probes = _probes(info, shape)
-        rows = probe_row_indices(probes, chunk_rows, shape.attributes.kv_num_heads, shape.max_cache_len)
+        chunk_rows = _chunk_rows(info, shape.head_size, _settings(info))
+        probes = (chunk_rows, probe_chunks(shape.past_lengths, chunk_rows, shape.total_sequence_length))
+        rows = probe_row_indices(probes[1], chunk_rows, shape.attributes.kv_num_heads, shape.max_cache_len)
     else:
-        rows = np.zeros(0, np.int64)
-    positions = shape.token_positions if shape.attributes.do_rotary else np.zeros(0, np.int64)
+        rows = _NO_ROWS
+    positions = shape.token_positions if shape.attributes.do_rotary else _NO_ROWS
     layouts = 0 if info.constant_layout and _executor().knows_layout(info.node_key) else shape.num_layout
-    b, heads, capacity, h = shape.cache_shape
-    attrs = shape.attributes
-    split_heads = attrs.num_heads + 2 * attrs.kv_num_heads if shape.packed_qkv else attrs.kv_num_heads
     return (
         rows,
         positions,
         np.array([layouts], np.int64),
-        np.array([b * heads * capacity, h], np.int64),
-        np.array([b, shape.seq_len, split_heads, h], np.int64),
-        np.array(shape.output_shape, np.int64),
-        tickets.issue(info.node_key, shape),
+        known.past_rows_shape,
+        known.split_shape,
+        known.output_shape,
+        tickets.issue(info.node_key, shape, probes),
     )
 
 
@@ -314,12 +343,12 @@ def _plan_poison(inputs):
 def check_op(probe_key, probe_value, ticket, **attributes):
     """Probe rows -> how many history rows must cross (0: the resident cache holds the past)."""
     info = node_info(attributes)
-    shape = tickets.redeem(info.node_key, ticket)
+    shape, issued_probes = tickets.redeem_probes(info.node_key, ticket)
     if shape.is_prompt:
         return (np.zeros(1, np.int64),)
-    if info.kv_check == "fast":
+    if issued_probes is not None:  # the fast check (the plan op chose the probes)
         executor, settings = _executor(), _settings(info)
-        chunk_rows, probes = _probes(info, shape)
+        chunk_rows, probes = issued_probes
         b, heads, _, h = shape.cache_shape
         rows = (b, heads, probes.shape[1] * chunk_rows, h)
         if probe_key.size == np.prod(rows) and executor.cache_holds(

@@ -8,6 +8,8 @@ and for direct users of the executor.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .spec import CallShape
@@ -16,10 +18,19 @@ from .spec import CallShape
 def scatter_indices(shape: CallShape) -> np.ndarray:
     """ScatterND indices (batch, kv heads, sequence, 3): [b, head, past_b + t] for every new row."""
     b, heads, s, _ = shape.new_rows_shape
-    index = np.empty((b, heads, s, 3), np.int64)
-    index[..., 0] = np.arange(b)[:, None, None]
+    index = _index_template(b, heads, s).copy()  # a decode step's path: two numpy calls
+    index[..., 2] += np.asarray(shape.past_lengths, np.int64)[:, None, None]
+    return index
+
+
+@functools.lru_cache(maxsize=64)
+def _index_template(batch: int, heads: int, sequence: int) -> np.ndarray:
+    """scatter_indices with every past length 0 (read-only; copied per call)."""
+    index = np.empty((batch, heads, sequence, 3), np.int64)
+    index[..., 0] = np.arange(batch)[:, None, None]
     index[..., 1] = np.arange(heads)[None, :, None]
-    index[..., 2] = np.asarray(shape.past_lengths)[:, None, None] + np.arange(s)[None, None, :]
+    index[..., 2] = np.arange(sequence)[None, None, :]
+    index.flags.writeable = False
     return index
 
 

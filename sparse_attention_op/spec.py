@@ -151,6 +151,9 @@ class ShapeFacts:
     max_rotary_len: int  # cos_cache rows (0 without rotary)
 
 
+_FACT_NAMES = tuple(f.name for f in dataclasses.fields(ShapeFacts))
+
+
 @dataclass(frozen=True)
 class CallShape(ShapeFacts):
     """Every fact about one call that its shapes and lengths determine: the shapes' facts and
@@ -171,7 +174,7 @@ class CallShape(ShapeFacts):
     def facts(self) -> ShapeFacts:
         """The part its shapes determine (what a decode step shares with the step before);
         built once per call shape (the executor keys its launches by it every call)."""
-        return ShapeFacts(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ShapeFacts)})
+        return ShapeFacts(**{name: getattr(self, name) for name in _FACT_NAMES})
 
     @property
     def scale(self) -> float:
@@ -319,8 +322,11 @@ def describe_lengths(facts: ShapeFacts, total_sequence_length: np.ndarray, key_t
     if facts.attributes.do_rotary and facts.max_rotary_len < total:
         _fail("cos_cache", f"must hold at least total_sequence_length = {total} positions, got {facts.max_rotary_len}")
 
-    shared = {f.name: getattr(facts, f.name) for f in dataclasses.fields(ShapeFacts)}
-    return CallShape(**shared, total_sequence_length=total, is_prompt=is_prompt, past_lengths=past_lengths, key_totals=key_totals)
+    shared = {name: getattr(facts, name) for name in _FACT_NAMES}
+    shape = CallShape(**shared, total_sequence_length=total, is_prompt=is_prompt, past_lengths=past_lengths, key_totals=key_totals)
+    if type(facts) is ShapeFacts:
+        shape.__dict__["facts"] = facts  # the cached property, filled with the equal facts at hand
+    return shape
 
 
 def _check_head_size(head_size: int) -> None:

@@ -344,13 +344,14 @@ def test_uploads_through_the_staging_buffer(executor, rng, monkeypatch, kv_check
 
 
 # -- the record's fast paths against its general ones (pure host code) -------------------------
+@pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("head_size, itemsize", [(128, 4), (16, 2), (64, 4)])
-def test_record_fast_paths_equal_the_general_ones(rng, head_size, itemsize):
+def test_record_fast_paths_equal_the_general_ones(rng, head_size, itemsize, batch):
     """Whole-chunk digests, one-row appends and the probe list: the decode step's short cuts
     give what the general code gives (a wrong short cut would pass the fast check wrongly)."""
     from sparse_attention_op.cache_record import LAST_ROWS, SPREAD_CHUNKS, CacheRecord
 
-    batch, heads = 3, 2
+    heads = 2
     general = CacheRecord(batch, heads, head_size, itemsize, max_rows=512)
     fast = CacheRecord(batch, heads, head_size, itemsize, max_rows=512)
     c = general.chunk_rows
@@ -358,10 +359,10 @@ def test_record_fast_paths_equal_the_general_ones(rng, head_size, itemsize):
     assert np.array_equal(general.digests.of_chunks(rows, 5), general.digests.of(rows))
     # A prompt of different lengths per row, then decode steps: one-row appends (fast)
     # against appends of the same rows one call at a time through the general path.
-    lengths = [7, 2 * c, 1]
+    lengths = [7, 2 * c, 1][:batch]
     prompt = rng.standard_normal((batch, heads, max(lengths), head_size), dtype=np.float32)
     for record in (general, fast):
-        record.append((0, 0, 0), tuple(lengths), prompt, prompt)
+        record.append((0,) * batch, tuple(lengths), prompt, prompt)
     for _ in range(2 * c + 1):
         new = rng.standard_normal((batch, heads, 1, head_size), dtype=np.float32)
         past = tuple(int(v) for v in fast.valid)
@@ -385,3 +386,34 @@ def test_record_fast_paths_equal_the_general_ones(rng, head_size, itemsize):
             expected = np.clip(np.concatenate([np.arange(chunks - last, chunks),
                                                ((np.arange(SPREAD_CHUNKS) + phase) * chunks / SPREAD_CHUNKS).astype(np.int64)]), 0, chunks - 1)
             assert probes[b].tolist() == expected.tolist(), (past_lengths, b)
+
+
+@pytest.mark.parametrize("batch, past_lengths", [(1, (8151,)), (1, (8150,)), (2, (301, 0)), (3, (5, 64, 33))])
+def test_probes_agree_reads_only_history_rows(rng, batch, past_lengths):
+    """The fast check's digest comparison (pure host code): it accepts the probed rows of the
+    past the record holds, whatever lies beyond each history's end (a chunk a history ends
+    inside is compared on its history rows only), and refuses a change to any probed row."""
+    from sparse_attention_op.cache_record import CacheRecord, probe_row_indices
+
+    heads, head_size, capacity = 2, 128, 8192
+    record = CacheRecord(batch, heads, head_size, 4, capacity)
+    past = rng.standard_normal((batch, heads, capacity, head_size), dtype=np.float32)
+    record.sync(past_lengths, past, past)
+    c = record.chunk_rows
+    probes = probe_chunks(past_lengths, c, max(past_lengths) + 1)
+    index = probe_row_indices(probes, c, heads, capacity)
+
+    def gathered(cache):
+        return cache.reshape(-1, head_size)[index].reshape(batch, heads, -1, head_size)
+
+    assert record.probes_agree(past_lengths, probes, gathered(past), gathered(past))
+    beyond = past.copy()
+    for b, length in enumerate(past_lengths):
+        beyond[b, :, length:] = rng.standard_normal((heads, capacity - length, head_size), dtype=np.float32)
+    assert record.probes_agree(past_lengths, probes, gathered(beyond), gathered(beyond))
+    b = next(b for b, length in enumerate(past_lengths) if length > 0)
+    for row in (past_lengths[b] - 1, int(probes[b, -1]) * c):  # the last history row, a spread probe's first
+        edited = past.copy()
+        edited[b, 1, row, 5] += 1.0
+        assert not record.probes_agree(past_lengths, probes, gathered(edited), gathered(past)), row
+        assert not record.probes_agree(past_lengths, probes, gathered(past), gathered(edited)), row

@@ -47,13 +47,20 @@ def test_write_dispatch_copy_submit(make):
         np.testing.assert_array_equal(_run(make, device, launch, storage, readback, values), (values * 2 + 1) * 2 + 1)
 
 
-def test_a_bad_command_raises_and_the_device_keeps_working():
+@pytest.mark.parametrize("bad", ["copy", "write"])
+def test_a_bad_command_raises_and_the_device_keeps_working(bad):
+    """NativeRecording captures wgpu-native's errors for the whole recording: a bad copy is
+    reported when the encoder finishes, a bad queue write at once; either raises at the
+    submit, which then submits nothing (wgpu-native aborts on an invalid command buffer)."""
     device = get_executor().context.device
     small = device.create_buffer(size=256, usage=wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST)
     commands = NativeRecording(device)
     try:
         with pytest.raises(wgpu.GPUError):
-            commands.copy_buffer_to_buffer(small, 0, small, 128, 256)  # overlapping and out of range
+            if bad == "copy":
+                commands.copy_buffer_to_buffer(small, 0, small, 128, 256)  # overlapping and out of range
+            else:
+                commands.write_buffer(small, 128, np.zeros(256, np.uint8))  # past the buffer's end
             commands.submit()
     finally:
         commands.release()

@@ -86,6 +86,15 @@ class Launch:
     workgroups: tuple[int, int, int]
 
 
+@dataclass(frozen=True)
+class DispatchFacts:
+    """What a call's dispatch key (kernels.dispatch_key) decides before any GPU work."""
+
+    key: tuple
+    limits_ok: bool  # the grids fit the adapter
+    scratch_bytes: dict  # GPU-only buffers the dispatches need, by name
+
+
 @dataclass
 class LaunchPlan:
     """The launches of a call, valid for every call with the same key: dispatches depend on
@@ -131,6 +140,7 @@ class WebGPUExecutor:
         # appends are atomic) and the next locked operation frees the state.
         self._release_queue: collections.deque[str] = collections.deque()
         self._timestamps = None
+        self._dispatch_facts_by_key: dict[tuple, DispatchFacts] = {}
 
     # -- public -----------------------------------------------------------------------
     def knows_layout(self, node_key: str) -> bool:
@@ -168,13 +178,14 @@ class WebGPUExecutor:
         shape = call.shape
         plan = self._layout_plan(call, node_key)
         dtype = self._cache_dtype(call.float16_storage, settings)
-        self._check_limits(shape, dtype)
+        dispatch = self._dispatch_facts(shape)
+        self._check_limits(shape, dtype, dispatch)
         with self._lock:
             self._drain_releases()
             state_key = (node_key, threading.get_ident())
             state = self._state(state_key, shape, dtype)
             try:
-                result = self._execute(call, state, plan, dtype, settings, reuse_host_arrays)
+                result = self._execute(call, state, plan, dtype, settings, dispatch, reuse_host_arrays)
             except wgpu.GPUError as error:
                 self._drop(state_key)
                 raise GpuExecutionError(f"SparseAttention failed on {self.context.description}: {error}") from error
@@ -261,7 +272,19 @@ class WebGPUExecutor:
             raise SparseAttentionError(f"SparseAttention node '{node_key}': the call carries no layout and none was passed before")
         return plan
 
-    def _check_limits(self, shape: CallShape, dtype) -> None:
+    def _dispatch_facts(self, shape: CallShape) -> DispatchFacts:
+        """What the call's dispatch key decides, worked out once per key (a decode step has
+        the key of the step before it)."""
+        key = kernels.dispatch_key(shape, self.tuning)
+        facts = self._dispatch_facts_by_key.get(key)
+        if facts is None:
+            if len(self._dispatch_facts_by_key) > 256:
+                self._dispatch_facts_by_key.clear()
+            facts = DispatchFacts(key, kernels.dispatch_limits_ok(shape, self.tuning), kernels.scratch_bytes(shape, self.tuning))
+            self._dispatch_facts_by_key[key] = facts
+        return facts
+
+    def _check_limits(self, shape: CallShape, dtype, dispatch: DispatchFacts) -> None:
         """Refuse, before any GPU work, a call whose buffers or dispatch the adapter cannot hold."""
         limit = self.context.max_binding_bytes
         rows = min(shape.max_cache_len, shape.rows_written)
@@ -273,7 +296,7 @@ class WebGPUExecutor:
         for name, nbytes in sizes.items():
             if nbytes > limit:
                 raise SparseAttentionError(f"SparseAttention input '{name}': needs a {nbytes}-byte GPU buffer, more than this adapter binds ({limit} bytes)")
-        if not kernels.dispatch_limits_ok(shape, self.tuning):
+        if not dispatch.limits_ok:
             raise SparseAttentionError("SparseAttention input 'query': batch, heads or sequence exceed the GPU's dispatch limits")
 
     def _host_array(self, name: str, shape, reuse: bool) -> np.ndarray:
@@ -287,7 +310,7 @@ class WebGPUExecutor:
         return array[:size].reshape(shape)
 
     def _execute(self, call: SparseAttentionCall, state: NodeState, plan: BlockPlan, dtype, settings: ExecutionSettings,
-                 reuse_host_arrays: bool = False) -> CallResult:
+                 dispatch: DispatchFacts, reuse_host_arrays: bool = False) -> CallResult:
         device, shape = self.context.device, call.shape
         phases = {}
         tick = time.perf_counter()
@@ -303,10 +326,12 @@ class WebGPUExecutor:
             stats.history_rows_compared = 2 * shape.attributes.kv_num_heads * sum(shape.past_lengths)
             stats.history_rows_uploaded = plans["key"].rows + plans["value"].rows
         else:
-            past = np.asarray(shape.past_lengths)
-            if not np.array_equal(record.valid[past > 0], past[past > 0]):
-                raise SparseAttentionError("SparseAttention: the call carries no history rows, but the resident cache does not hold its past")
-            record.valid[past == 0] = 0  # rows starting afresh (a prompt)
+            held = record.valid
+            for b, past in enumerate(shape.past_lengths):  # plain ints: a decode step's path
+                if past == 0:
+                    held[b] = 0  # a row starting afresh (a prompt)
+                elif held[b] != past:
+                    raise SparseAttentionError("SparseAttention: the call carries no history rows, but the resident cache does not hold its past")
         phases["sync"] = time.perf_counter() - tick
 
         # 2. The call's inputs, as sections of one buffer.
@@ -335,11 +360,11 @@ class WebGPUExecutor:
         resources["output"] = BufferRange(results, 0, key_offset)
         if new_key is not None:
             resources["new_key"] = BufferRange(results, key_offset, aligned(new_key.nbytes))
-        for name, nbytes in kernels.scratch_bytes(shape, self.tuning).items():
+        for name, nbytes in dispatch.scratch_bytes.items():
             resources[name] = BufferRange(self._scratch.get(name, nbytes, wgpu.BufferUsage.STORAGE))
 
         cache_format = kernels.CacheFormat(rows=cache.rows, f16=np.dtype(dtype) == np.float16, round_keys_to_f16=call.float16_storage)
-        launches = self._launches(state, shape, cache_format, resources)
+        launches = self._launches(state, shape, dispatch.key, cache_format, resources)
         phases["prepare"] = time.perf_counter() - tick
 
         # 3. One command buffer: the uploads, every dispatch, then the read-back copies.
@@ -387,9 +412,9 @@ class WebGPUExecutor:
             stats.gpu_seconds = {launch.label: float(s) for launch, s in zip(launches, seconds)}
         return CallResult(output, new_key, stats)
 
-    def _launches(self, state: NodeState, shape: CallShape, cache_format, resources: dict) -> list[Launch]:
+    def _launches(self, state: NodeState, shape: CallShape, dispatch_key: tuple, cache_format, resources: dict) -> list[Launch]:
         """The call's launches: the node's last ones when nothing they depend on changed."""
-        key = (kernels.dispatch_key(shape, self.tuning), cache_format, tuple(sorted((name, r.key()) for name, r in resources.items())))
+        key = (dispatch_key, cache_format, tuple(sorted((name, r.key()) for name, r in resources.items())))
         if state.launch_plan is not None and state.launch_plan.key == key:
             return state.launch_plan.launches
         dispatches = kernels.call_dispatches(shape, self.tuning, cache_format, resources)

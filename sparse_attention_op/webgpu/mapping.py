@@ -8,8 +8,8 @@ read of 16 KiB (``scripts/measure_platform.py --only wgpu``, docs/design.md sect
 on this project's 2-core VM (lavapipe), 212-216 us this way against 302-320 us through the
 poll thread; on the H200 host 120-157 us against 200-226 us (BENCHMARKS.md).
 
-This module maps through the wgpu-native functions wgpu-py itself binds: it asks for the
-map, polls the device on the calling thread until the map's callback has run (a blocking
+This module maps through the wgpu-native functions wgpu-py itself binds (within one
+capture of the errors they report, native.ErrorCapture): it asks for the map, polls the device on the calling thread until the map's callback has run (a blocking
 poll waits for the queue's last submission, which the call's work is), and views the
 mapped range as a numpy array. wgpu-py's own bookkeeping of the buffer is bypassed, so a
 buffer mapped here must only ever be mapped here. Where wgpu-py's native backend does not
@@ -25,10 +25,9 @@ import time
 import numpy as np
 import wgpu
 
-from .native import enabled
+from .native import ErrorCapture, enabled
 from .native import ffi as _ffi
 from .native import lib as _lib
-from .native import libf as _libf
 
 #: A blocking poll returns once the queue's submissions are done, so a map over finished
 #: work resolves in the first poll. More polls than this mean the map can never resolve.
@@ -53,7 +52,7 @@ def _on_map(status, _message, userdata, _userdata2):
 
 # One cffi callback for every map of the process: callbacks are costly to create and must
 # outlive the maps they serve.
-_callback = _ffi.callback("void(WGPUMapAsyncStatus, WGPUStringView, void *, void *)", _on_map) if _libf is not None else None
+_callback = _ffi.callback("void(WGPUMapAsyncStatus, WGPUStringView, void *, void *)", _on_map) if _lib is not None else None
 
 
 @contextlib.contextmanager
@@ -72,32 +71,38 @@ def mapped(device, buffer, write: bool, offset: int, size: int, spin_seconds: fl
     cell = _ffi.new("int *", -1)
     info = _ffi.new("WGPUBufferMapCallbackInfo *", {"mode": _lib.WGPUCallbackMode_AllowProcessEvents, "callback": _callback,
                                                     "userdata1": cell})
+    # One capture of wgpu-native's errors for the map's calls (native.ErrorCapture): a
+    # refused map is reported at its request, and then waits for nothing.
+    errors = ErrorCapture("sparse_attention_op.map")
     try:
-        _libf.wgpuBufferMapAsync(buffer._internal, _lib.WGPUMapMode_Write if write else _lib.WGPUMapMode_Read, offset, size, info[0])
-        _wait(device, cell, spin_seconds)
+        _lib.wgpuBufferMapAsync(buffer._internal, _lib.WGPUMapMode_Write if write else _lib.WGPUMapMode_Read, offset, size, info[0])
+        if not errors.reported():
+            _wait(device, cell, spin_seconds)
+        errors.close()
     except BaseException:
-        # A refused map, or a poll that raised (another error reported during it, an
-        # interrupt): the callback may still come, so its cell must outlive this call.
+        # A refused map, or a poll that raised (an error reported during it, an interrupt):
+        # the callback may still come, so its cell must outlive this call.
         _abandoned_cells.append(cell)
-        _libf.wgpuBufferUnmap(buffer._internal)  # cancels a map still pending
+        _lib.wgpuBufferUnmap(buffer._internal)  # cancels a map still pending
+        errors.close()
         raise
     status = cell[0]
     if status != _lib.WGPUMapAsyncStatus_Success:
         if status == -1:
             _abandoned_cells.append(cell)
-        _libf.wgpuBufferUnmap(buffer._internal)  # cancels a map still pending, so the buffer stays usable
+        _lib.wgpuBufferUnmap(buffer._internal)  # cancels a map still pending, so the buffer stays usable
         raise MapError(f"mapping buffer '{buffer.label}' ({size} bytes at {offset}) failed: status {status}")
     try:
         if write:
-            pointer = _libf.wgpuBufferGetMappedRange(buffer._internal, offset, size)
+            pointer = _lib.wgpuBufferGetMappedRange(buffer._internal, offset, size)
         else:
-            pointer = _libf.wgpuBufferGetConstMappedRange(buffer._internal, offset, size)
+            pointer = _lib.wgpuBufferGetConstMappedRange(buffer._internal, offset, size)
         view = np.frombuffer(_ffi.buffer(pointer, size), np.uint8)
         view.flags.writeable = write
         yield view
     finally:
         # The caller has copied what it needs: the memory goes away with the unmap.
-        _libf.wgpuBufferUnmap(buffer._internal)
+        _lib.wgpuBufferUnmap(buffer._internal)
 
 
 def _wait(device, cell, spin_seconds: float) -> None:
@@ -108,14 +113,15 @@ def _wait(device, cell, spin_seconds: float) -> None:
     tens of microseconds. So on GPUs the wait first spins on non-blocking polls (about 2 us
     each) for a short while, as CUDA's default schedule does; CPU adapters pass 0, since
     there a spinning thread takes a core from the driver's own workers."""
+    poll, handle = _lib.wgpuDevicePoll, device._internal
     if spin_seconds > 0:
         deadline = time.perf_counter() + spin_seconds
         while cell[0] == -1 and time.perf_counter() < deadline:
-            _libf.wgpuDevicePoll(device._internal, False, _ffi.NULL)
+            poll(handle, False, _ffi.NULL)
     for _ in range(_MAX_POLLS):
         if cell[0] != -1:
             return
-        _libf.wgpuDevicePoll(device._internal, True, _ffi.NULL)
+        poll(handle, True, _ffi.NULL)
 
 
 def _mapped_public(buffer, write: bool, offset: int, size: int) -> np.ndarray:

@@ -17,6 +17,9 @@ class ProcessWide(Generic[T]):
         self._lock = threading.Lock()
 
     def get(self) -> T:
+        value = self._value
+        if value is not None:  # created: no lock on the path every call takes
+            return value
         with self._lock:
             if self._value is None:
                 self._value = self._factory()

@@ -6,8 +6,8 @@ Through wgpu-py's classes each command is a method that builds its descriptor st
 checks its arguments and wraps what it returns: about 220 Python calls per decode step
 (cProfile), most of the 0.26 ms the H200 host spent encoding one (scripts/profile_step.py).
 :class:`NativeRecording` makes the same wgpu-native calls with descriptors built once,
-through the function table wgpu-py uses (native.py), so a validation error still raises
-``wgpu.GPUError``. :class:`WgpuPyRecording` goes through wgpu-py's classes; the executor
+inside one capture of the errors they report (native.ErrorCapture): a validation error
+still raises ``wgpu.GPUError``, at the submit (or release) of the recording. :class:`WgpuPyRecording` goes through wgpu-py's classes; the executor
 uses it when timing dispatches (timestamp writes) and where the internals are missing or
 ``SAO_WGPU_COMMANDS=public`` asks for it.
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import native
-from .native import ffi, libf
+from .native import ErrorCapture, ffi, lib
 
 #: Off (``SAO_WGPU_COMMANDS=public``): every call records through wgpu-py's classes.
 NATIVE = native.enabled("SAO_WGPU_COMMANDS")
@@ -41,44 +41,52 @@ if native.AVAILABLE:
 
 
 class NativeRecording:
-    """A command encoder driven through wgpu-native's functions directly."""
+    """A command encoder driven through wgpu-native's functions directly.
+
+    Errors reported while recording raise ``wgpu.GPUError`` at :meth:`submit`, or at
+    :meth:`release` of a recording abandoned before it (after the encoder is released)."""
 
     def __init__(self, device):
+        self._errors = ErrorCapture("sparse_attention_op.recording")
         self._queue = device.queue._internal
-        self._encoder = libf.wgpuDeviceCreateCommandEncoder(device._internal, _ENCODER)
+        self._encoder = lib.wgpuDeviceCreateCommandEncoder(device._internal, _ENCODER)
         self._submitted = ffi.new("WGPUCommandBuffer[1]")
 
     def write_buffer(self, buffer, offset: int, data: np.ndarray) -> None:
         data = np.ascontiguousarray(data)
-        libf.wgpuQueueWriteBuffer(self._queue, buffer._internal, offset, ffi.from_buffer(data), data.nbytes)
+        lib.wgpuQueueWriteBuffer(self._queue, buffer._internal, offset, ffi.from_buffer(data), data.nbytes)
 
     def copy_buffer_to_buffer(self, source, source_offset: int, destination, destination_offset: int, size: int) -> None:
-        libf.wgpuCommandEncoderCopyBufferToBuffer(self._encoder, source._internal, source_offset, destination._internal, destination_offset, size)
+        lib.wgpuCommandEncoderCopyBufferToBuffer(self._encoder, source._internal, source_offset, destination._internal, destination_offset, size)
 
     def compute_pass(self, launches) -> None:
-        compute = libf.wgpuCommandEncoderBeginComputePass(self._encoder, _PASS)
+        compute = lib.wgpuCommandEncoderBeginComputePass(self._encoder, _PASS)
         try:
             for launch in launches:
-                libf.wgpuComputePassEncoderSetPipeline(compute, launch.pipeline._internal)
-                libf.wgpuComputePassEncoderSetBindGroup(compute, 0, launch.bind_group._internal, 0, ffi.NULL)
-                libf.wgpuComputePassEncoderDispatchWorkgroups(compute, *launch.workgroups)
-            libf.wgpuComputePassEncoderEnd(compute)
+                lib.wgpuComputePassEncoderSetPipeline(compute, launch.pipeline._internal)
+                lib.wgpuComputePassEncoderSetBindGroup(compute, 0, launch.bind_group._internal, 0, ffi.NULL)
+                lib.wgpuComputePassEncoderDispatchWorkgroups(compute, *launch.workgroups)
+            lib.wgpuComputePassEncoderEnd(compute)
         finally:
-            libf.wgpuComputePassEncoderRelease(compute)
+            lib.wgpuComputePassEncoderRelease(compute)
 
     def submit(self) -> None:
-        commands = libf.wgpuCommandEncoderFinish(self._encoder, _COMMANDS)
-        self.release()
-        try:
-            self._submitted[0] = commands
-            libf.wgpuQueueSubmit(self._queue, 1, self._submitted)
-        finally:
-            libf.wgpuCommandBufferRelease(commands)
+        commands = lib.wgpuCommandEncoderFinish(self._encoder, _COMMANDS)  # reports the encoder's errors
+        lib.wgpuCommandEncoderRelease(self._encoder)
+        self._encoder = None
+        if self._errors.reported():
+            lib.wgpuCommandBufferRelease(commands)
+            self._errors.close()  # raises it: an invalid command buffer must never be submitted
+        self._submitted[0] = commands
+        lib.wgpuQueueSubmit(self._queue, 1, self._submitted)
+        lib.wgpuCommandBufferRelease(commands)
+        self._errors.close()  # raises what the recording or the submit reported
 
     def release(self) -> None:
         if self._encoder is not None:
-            libf.wgpuCommandEncoderRelease(self._encoder)
+            lib.wgpuCommandEncoderRelease(self._encoder)
             self._encoder = None
+        self._errors.close()
 
 
 class WgpuPyRecording:
