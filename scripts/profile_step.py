@@ -3,6 +3,7 @@
 
     python scripts/profile_step.py --kv-check fast --way shared --capacity 8192 --history 8152
     python scripts/profile_step.py --prefill 8192
+    python scripts/profile_step.py --timeline            # no ORT profiler: spans around and inside the ops
 
 Runs decode steps of one SparseAttention node (Phi-3-small shape, batch 1, float32, as
 scripts/bench_decode.py does) with ORT's profiler on, then prints per node type the median
@@ -94,6 +95,49 @@ def profile(kv_check: str, way: str, capacity: int, history: int, steps: int, rn
         print("GPU passes (us, median): " + ", ".join(f"{k} {statistics.median(v) * 1e6:.0f}" for k, v in passes.items()))
 
 
+def timeline(kv_check: str, way: str, capacity: int, history: int, steps: int, rng) -> None:
+    """Decode steps without ORT's profiler: where ``run``'s time goes around and inside the
+    three PyOps, from clock marks at the entry and exit of each (the bridge's invocation hook,
+    wrapped). The gaps are ORT's native nodes and the bridge's copies between the ops."""
+    from sparse_attention_op import _ortx_compat, bridge
+
+    marks = []
+
+    def hook(k_id, feed, attributes):
+        entered = time.perf_counter_ns()
+        outputs = bridge._invoke(k_id, feed, attributes)
+        marks.append((k_id, entered, time.perf_counter_ns()))
+        return outputs
+
+    session = sao.create_session(model_for(capacity, rng), kv_check=kv_check)
+    _ortx_compat.install_invocation_hook(hook)
+    try:
+        names = {k: op.opdef.body.__name__ for k, op in bridge._array_ops.items()}
+        driver = Decoder(session, capacity, history, way, rng)
+        for _ in range(3):
+            driver.step()
+        rows = collections.defaultdict(list)
+        for _ in range(steps):
+            marks.clear()
+            seconds = driver.step()  # run_with_iobinding (or run) alone
+            end = time.perf_counter_ns()
+            start = end - int(seconds * 1e9)  # run's start, up to the few steps after it returned
+            op = {names[k]: (a, b) for k, a, b in marks}
+            (p0, p1), (c0, c1), (k0, k1) = op["plan_op"], op["check_op"], op["kernel_op"]
+            for name, ns in (("run", end - start), ("run to plan", p0 - start), ("plan", p1 - p0), ("plan to check", c0 - p1),
+                             ("check", c1 - c0), ("check to kernel", k0 - c1), ("kernel", k1 - k0), ("kernel to end", end - k1)):
+                rows[name].append(ns / 1e3)
+            for name, seconds in node_stats(session).phases.items():
+                rows[f"kernel: {name}"].append(seconds * 1e6)
+    finally:
+        _ortx_compat.install_invocation_hook(bridge._invoke)
+    print(f"\n### timeline: {kv_check}, {way}, capacity {capacity}, history {history} (medians of {steps} steps; the "
+          "step's run includes the hook's clock reads)\n")
+    print("| span | us |\n|---|---|")
+    for name, values in rows.items():
+        print(f"| {name} | {statistics.median(values):.0f} |")
+
+
 def main() -> int:
     import numpy as np
 
@@ -104,9 +148,13 @@ def main() -> int:
     parser.add_argument("--history", type=int, default=8152)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prefill", type=int, default=0, help="profile prompts of this length instead of decode steps")
+    parser.add_argument("--timeline", action="store_true", help="decode steps without ORT's profiler: time around and inside the three ops")
     args = parser.parse_args()
     print(f"# {' '.join(sys.argv)}, onnxruntime {ort.__version__}")
-    profile(args.kv_check, args.way, args.capacity, args.history, args.steps, np.random.default_rng(0), args.prefill)
+    if args.timeline:
+        timeline(args.kv_check, args.way, args.capacity, args.history, args.steps, np.random.default_rng(0))
+    else:
+        profile(args.kv_check, args.way, args.capacity, args.history, args.steps, np.random.default_rng(0), args.prefill)
     return 0
 
 
