@@ -16,8 +16,8 @@ Each case is (kv_check, way, capacity, history):
 
 Per case, medians over --steps steps: the whole ``run``; inside the op, its host time (the
 op's wall time minus its wait for the GPU); the GPU time of its dispatches (timestamps,
-from a second session over the same past: timestamps add a pass per dispatch and host
-work, so the timed steps run without them, as a user's do); ORT's CPU kernel on the same shapes and history with shared buffers (``--ort``, on by
+from a second session over the same past, medians over at most 10 steps: timestamps add a
+pass per dispatch and host work, so the timed steps run without them, as a user's do); ORT's CPU kernel on the same shapes and history with shared buffers (``--ort``, on by
 default); the Identity floor (ORT passing the two cache tensors through Identity, plain run).
 A prefill case reports ``run`` minus the GPU time. The node's host record is reported
 against the cache's bytes.
@@ -182,13 +182,14 @@ def run_case(kv_check: str, way: str, capacity: int, history: int, args, rng) ->
     key = next(k for k in executor.node_keys() if k.startswith(session.sparse_attention_token))
     record_bytes = executor.node_state(key).cache.record.nbytes
     cache_bytes = 2 * decoder.past[0].nbytes
+    decoder.session = session = None  # one resident cache at a time (the timestamped session's next)
     gpus = gpu_seconds(model, kv_check, capacity, history, way, min(args.steps, 10), rng, decoder.past) if args.profile else []
     ort_ms = ort_cpu_decode(model, capacity, history, args.steps, rng) * 1e3 if args.ort else None
     identity_ms = None
     if way == "plain":
         floor = identity_floor_session(decoder.past[0].shape)
         identity_ms = median_seconds(lambda: floor.run(None, {"past_key": decoder.past[0], "past_value": decoder.past[1]}), args.steps) * 1e3
-    del session, decoder
+    del decoder
     return Row(kv_check, way, capacity, history, statistics.median(runs) * 1e3, statistics.median(hosts) * 1e3,
                statistics.median(gpus) * 1e3 if gpus else None, ort_ms, identity_ms, record_bytes / cache_bytes)
 

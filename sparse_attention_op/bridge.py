@@ -183,7 +183,7 @@ def _shapes(arrays) -> dict:
     return shapes
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _KnownShapes:
     """What a set of input shapes decides, worked out once: the shape facts, and the plan
     op's outputs that follow from them alone (the native Reshapes' target shapes)."""

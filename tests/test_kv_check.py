@@ -360,16 +360,17 @@ def test_record_fast_paths_equal_the_general_ones(rng, head_size, itemsize, batc
     # A prompt of different lengths per row, then decode steps: one-row appends (fast)
     # against appends of the same rows one call at a time through the general path.
     lengths = [7, 2 * c, 1][:batch]
-    prompt = rng.standard_normal((batch, heads, max(lengths), head_size), dtype=np.float32)
+    # Keys and values differ throughout, so a mix-up of the table's halves would show.
+    prompt_key, prompt_value = (rng.standard_normal((batch, heads, max(lengths), head_size), dtype=np.float32) for _ in range(2))
     for record in (general, fast):
-        record.append((0,) * batch, tuple(lengths), prompt, prompt)
+        record.append((0,) * batch, tuple(lengths), prompt_key, prompt_value)
     for _ in range(2 * c + 1):
-        new = rng.standard_normal((batch, heads, 1, head_size), dtype=np.float32)
+        new_key, new_value = (rng.standard_normal((batch, heads, 1, head_size), dtype=np.float32) for _ in range(2))
         past = tuple(int(v) for v in fast.valid)
-        fast.append(past, tuple(p + 1 for p in past), new, new)
+        fast.append(past, tuple(p + 1 for p in past), new_key, new_value)
         # A second, unused row sends the same append down the general path (one row of two).
-        padded = np.concatenate([new, np.full_like(new, np.nan)], axis=2)
-        general.append(past, tuple(p + 1 for p in past), padded, padded)
+        padded = [np.concatenate([new, np.full_like(new, np.nan)], axis=2) for new in (new_key, new_value)]
+        general.append(past, tuple(p + 1 for p in past), *padded)
     for name in ("key", "value"):
         assert np.array_equal(fast._chunks[name], general._chunks[name]), name
     # Probe chunks: the tail chunks of the last LAST_ROWS rows and SPREAD_CHUNKS spread ones,
@@ -398,7 +399,8 @@ def test_probes_agree_reads_only_history_rows(rng, batch, past_lengths):
     heads, head_size, capacity = 2, 128, 8192
     record = CacheRecord(batch, heads, head_size, 4, capacity)
     past = rng.standard_normal((batch, heads, capacity, head_size), dtype=np.float32)
-    record.sync(past_lengths, past, past)
+    values = rng.standard_normal((batch, heads, capacity, head_size), dtype=np.float32)
+    record.sync(past_lengths, past, values)
     c = record.chunk_rows
     probes = probe_chunks(past_lengths, c, max(past_lengths) + 1)
     index = probe_row_indices(probes, c, heads, capacity)
@@ -406,14 +408,17 @@ def test_probes_agree_reads_only_history_rows(rng, batch, past_lengths):
     def gathered(cache):
         return cache.reshape(-1, head_size)[index].reshape(batch, heads, -1, head_size)
 
-    assert record.probes_agree(past_lengths, probes, gathered(past), gathered(past))
-    beyond = past.copy()
+    assert record.probes_agree(past_lengths, probes, gathered(past), gathered(values))
+    assert not record.probes_agree(past_lengths, probes, gathered(values), gathered(past))  # key and value swapped
+    beyond_key, beyond_value = past.copy(), values.copy()
     for b, length in enumerate(past_lengths):
-        beyond[b, :, length:] = rng.standard_normal((heads, capacity - length, head_size), dtype=np.float32)
-    assert record.probes_agree(past_lengths, probes, gathered(beyond), gathered(beyond))
+        for beyond in (beyond_key, beyond_value):
+            beyond[b, :, length:] = rng.standard_normal((heads, capacity - length, head_size), dtype=np.float32)
+    assert record.probes_agree(past_lengths, probes, gathered(beyond_key), gathered(beyond_value))
     b = next(b for b, length in enumerate(past_lengths) if length > 0)
     for row in (past_lengths[b] - 1, int(probes[b, -1]) * c):  # the last history row, a spread probe's first
-        edited = past.copy()
-        edited[b, 1, row, 5] += 1.0
-        assert not record.probes_agree(past_lengths, probes, gathered(edited), gathered(past)), row
-        assert not record.probes_agree(past_lengths, probes, gathered(past), gathered(edited)), row
+        edited_key, edited_value = past.copy(), values.copy()
+        edited_key[b, 1, row, 5] += 1.0
+        edited_value[b, 1, row, 5] += 1.0
+        assert not record.probes_agree(past_lengths, probes, gathered(edited_key), gathered(values)), row
+        assert not record.probes_agree(past_lengths, probes, gathered(past), gathered(edited_value)), row

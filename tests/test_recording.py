@@ -89,3 +89,34 @@ def test_profiled_calls_time_every_dispatch_and_keep_their_results(executor, rng
         stats = run_executor.last_stats
         assert list(stats.gpu_seconds) == [launch.label for launch in launches]
         assert all(seconds > 0 for seconds in stats.gpu_seconds.values())
+
+
+def test_an_abandoned_recording_reports_its_own_fault_and_frees_its_temporaries(executor, monkeypatch):
+    """An error capture ended without raising (another exception is on its way) logs what it
+    caught and leaves wgpu-py's capture stack as it found it; the executor frees a failed
+    recording's temporaries and reports the fault that ended it."""
+    from sparse_attention_op.webgpu import native
+
+    device = executor.context.device
+    small = device.create_buffer(size=256, usage=wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST)
+    depth = len(native.error_handler._get_proxy_stack())
+    errors = native.ErrorCapture("test")
+    data = np.zeros(256, np.uint8)
+    native.lib.wgpuQueueWriteBuffer(device.queue._internal, small._internal, 128, native.ffi.from_buffer(data), data.nbytes)
+    assert errors.reported()
+    errors.discard()  # no raise
+    assert len(native.error_handler._get_proxy_stack()) == depth
+    freed = []
+    monkeypatch.setattr(executor._scratch, "release_temporaries", lambda: freed.append(True))
+    monkeypatch.setattr(recording.NativeRecording, "compute_pass", lambda self, launches: (_ for _ in ()).throw(KeyError("host fault")))
+    config = CaseConfig(batch=1, seq_len=1, num_heads=2, kv_num_heads=1, head_size=16, max_cache_len=32, sparse_block_size=8,
+                        num_layout=1, past_lengths=(4,))
+    from sparse_attention_op.inputs import random_inputs
+    from sparse_attention_op.spec import OpAttributes, build_call
+
+    call = build_call(random_inputs(config, np.random.default_rng(0)), OpAttributes.from_mapping(config.node_attributes()))
+    with pytest.raises(KeyError):
+        executor.run(call, "abandoned-recording")
+    assert freed
+    monkeypatch.undo()
+    test_write_dispatch_copy_submit(NativeRecording)

@@ -86,7 +86,7 @@ class Launch:
     workgroups: tuple[int, int, int]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class DispatchFacts:
     """What a call's dispatch key (kernels.dispatch_key) decides before any GPU work."""
 
@@ -389,8 +389,10 @@ class WebGPUExecutor:
             download.encode(commands)
             commands.submit()
         finally:
-            commands.release()
-            self._scratch.release_temporaries()  # after the submit, or with the failed recording
+            try:
+                commands.release()  # never raises: a failed recording's own error is on its way
+            finally:
+                self._scratch.release_temporaries()  # after the submit, or with the failed recording
         phases["encode_submit"] = time.perf_counter() - tick
 
         tick = time.perf_counter()

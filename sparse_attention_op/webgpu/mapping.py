@@ -8,8 +8,8 @@ read of 16 KiB (``scripts/measure_platform.py --only wgpu``, docs/design.md sect
 on this project's 2-core VM (lavapipe), 212-216 us this way against 302-320 us through the
 poll thread; on the H200 host 120-157 us against 200-226 us (BENCHMARKS.md).
 
-This module maps through the wgpu-native functions wgpu-py itself binds (within one
-capture of the errors they report, native.ErrorCapture): it asks for the map, polls the device on the calling thread until the map's callback has run (a blocking
+This module maps through the wgpu-native functions wgpu-py itself binds (the request and
+the wait within one capture of the errors they report, native.ErrorCapture): it asks for the map, polls the device on the calling thread until the map's callback has run (a blocking
 poll waits for the queue's last submission, which the call's work is), and views the
 mapped range as a numpy array. wgpu-py's own bookkeeping of the buffer is bypassed, so a
 buffer mapped here must only ever be mapped here. Where wgpu-py's native backend does not
@@ -84,7 +84,7 @@ def mapped(device, buffer, write: bool, offset: int, size: int, spin_seconds: fl
         # the callback may still come, so its cell must outlive this call.
         _abandoned_cells.append(cell)
         _lib.wgpuBufferUnmap(buffer._internal)  # cancels a map still pending
-        errors.close()
+        errors.discard()  # the exception on its way is the one to report
         raise
     status = cell[0]
     if status != _lib.WGPUMapAsyncStatus_Success:
@@ -97,6 +97,8 @@ def mapped(device, buffer, write: bool, offset: int, size: int, spin_seconds: fl
             pointer = _lib.wgpuBufferGetMappedRange(buffer._internal, offset, size)
         else:
             pointer = _lib.wgpuBufferGetConstMappedRange(buffer._internal, offset, size)
+        if pointer == _ffi.NULL:  # outside any capture: wgpu-native says so by a null range
+            raise MapError(f"buffer '{buffer.label}' mapped, but its range ({size} bytes at {offset}) could not be read")
         view = np.frombuffer(_ffi.buffer(pointer, size), np.uint8)
         view.flags.writeable = write
         yield view

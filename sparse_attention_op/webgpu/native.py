@@ -24,7 +24,8 @@ except ImportError:  # pragma: no cover - another wgpu version
     libf = ffi = lib = error_handler = None
     ERROR_TYPES = {}
 
-AVAILABLE = libf is not None
+#: The internals the direct paths use, wgpu-py's error sink's capture stack included.
+AVAILABLE = libf is not None and hasattr(error_handler, "_get_proxy_stack")
 
 
 class ErrorCapture:
@@ -51,6 +52,7 @@ class ErrorCapture:
         return bool(stack) and stack[-1].name == self._name and stack[-1].message is not None
 
     def close(self) -> None:
+        """End the capture; raise the error reported meanwhile, if any."""
         if not self._open:
             return
         self._open = False
@@ -58,6 +60,16 @@ class ErrorCapture:
         if found is not None:
             kind, message = found
             raise ERROR_TYPES.get(kind, wgpu.GPUError)(message)
+
+    def discard(self) -> None:
+        """End the capture without raising (another exception is on its way): log what it
+        caught, as wgpu-py logs errors nothing captures."""
+        if not self._open:
+            return
+        self._open = False
+        found = error_handler.release(self._name)
+        if found is not None:
+            error_handler.log_error(found[1])
 
 
 def enabled(variable: str) -> bool:

@@ -43,18 +43,24 @@ if native.AVAILABLE:
 class NativeRecording:
     """A command encoder driven through wgpu-native's functions directly.
 
-    Errors reported while recording raise ``wgpu.GPUError`` at :meth:`submit`, or at
-    :meth:`release` of a recording abandoned before it (after the encoder is released)."""
+    Errors reported while recording raise ``wgpu.GPUError``: a queue write's at the write,
+    an encoder's at :meth:`submit` (wgpu-native reports them when the encoder finishes). A
+    recording abandoned before its submit logs what it caught at :meth:`release`, which
+    never raises (the exception that abandoned it is the one to report)."""
 
     def __init__(self, device):
-        self._errors = ErrorCapture("sparse_attention_op.recording")
         self._queue = device.queue._internal
-        self._encoder = lib.wgpuDeviceCreateCommandEncoder(device._internal, _ENCODER)
         self._submitted = ffi.new("WGPUCommandBuffer[1]")
+        self._errors = ErrorCapture("sparse_attention_op.recording")
+        self._encoder = lib.wgpuDeviceCreateCommandEncoder(device._internal, _ENCODER)
 
     def write_buffer(self, buffer, offset: int, data: np.ndarray) -> None:
         data = np.ascontiguousarray(data)
         lib.wgpuQueueWriteBuffer(self._queue, buffer._internal, offset, ffi.from_buffer(data), data.nbytes)
+        if self._errors.reported():  # raised at its own call, as wgpu-py would
+            lib.wgpuCommandEncoderRelease(self._encoder)
+            self._encoder = None
+            self._errors.close()
 
     def copy_buffer_to_buffer(self, source, source_offset: int, destination, destination_offset: int, size: int) -> None:
         lib.wgpuCommandEncoderCopyBufferToBuffer(self._encoder, source._internal, source_offset, destination._internal, destination_offset, size)
@@ -86,7 +92,7 @@ class NativeRecording:
         if self._encoder is not None:
             lib.wgpuCommandEncoderRelease(self._encoder)
             self._encoder = None
-        self._errors.close()
+        self._errors.discard()
 
 
 class WgpuPyRecording:
