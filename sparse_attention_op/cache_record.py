@@ -101,7 +101,7 @@ class Digests:
         if rows.dtype != np.float32 or not rows.flags.c_contiguous:
             rows = self._contiguous(rows)
         words = rows.view(np.uint64).reshape(*rows.shape[:-2], chunks, self.chunk_rows * self.words_per_row)
-        return np.einsum("...k,k->...", words, self.multipliers)  # not matmul: see _dot
+        return _dot(words, self.multipliers)
 
     def of(self, rows: np.ndarray, offset: int = 0) -> np.ndarray:
         """Digest terms of ``rows`` (lead..., n, head) float32 placed from row ``offset`` of

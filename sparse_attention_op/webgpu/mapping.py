@@ -9,7 +9,8 @@ on this project's 2-core VM (lavapipe), 212-216 us this way against 302-320 us t
 poll thread; on the H200 host 120-157 us against 200-226 us (BENCHMARKS.md).
 
 This module maps through the wgpu-native functions wgpu-py itself binds (the request and
-the wait within one capture of the errors they report, native.ErrorCapture): it asks for the map, polls the device on the calling thread until the map's callback has run (a blocking
+the wait within one capture of the errors they report, native.ErrorCapture): it asks for
+the map, polls the device on the calling thread until the map's callback has run (a blocking
 poll waits for the queue's last submission, which the call's work is), and views the
 mapped range as a numpy array. wgpu-py's own bookkeeping of the buffer is bypassed, so a
 buffer mapped here must only ever be mapped here. Where wgpu-py's native backend does not

@@ -53,10 +53,7 @@ class ErrorCapture:
 
     def close(self) -> None:
         """End the capture; raise the error reported meanwhile, if any."""
-        if not self._open:
-            return
-        self._open = False
-        found = error_handler.release(self._name)
+        found = self._end()
         if found is not None:
             kind, message = found
             raise ERROR_TYPES.get(kind, wgpu.GPUError)(message)
@@ -64,12 +61,16 @@ class ErrorCapture:
     def discard(self) -> None:
         """End the capture without raising (another exception is on its way): log what it
         caught, as wgpu-py logs errors nothing captures."""
-        if not self._open:
-            return
-        self._open = False
-        found = error_handler.release(self._name)
+        found = self._end()
         if found is not None:
             error_handler.log_error(found[1])
+
+    def _end(self):
+        """(kind, message) of the error reported meanwhile, or None; idempotent."""
+        if not self._open:
+            return None
+        self._open = False
+        return error_handler.release(self._name)
 
 
 def enabled(variable: str) -> bool:

@@ -58,8 +58,7 @@ class NativeRecording:
         data = np.ascontiguousarray(data)
         lib.wgpuQueueWriteBuffer(self._queue, buffer._internal, offset, ffi.from_buffer(data), data.nbytes)
         if self._errors.reported():  # raised at its own call, as wgpu-py would
-            lib.wgpuCommandEncoderRelease(self._encoder)
-            self._encoder = None
+            self._release_encoder()
             self._errors.close()
 
     def copy_buffer_to_buffer(self, source, source_offset: int, destination, destination_offset: int, size: int) -> None:
@@ -78,8 +77,7 @@ class NativeRecording:
 
     def submit(self) -> None:
         commands = lib.wgpuCommandEncoderFinish(self._encoder, _COMMANDS)  # reports the encoder's errors
-        lib.wgpuCommandEncoderRelease(self._encoder)
-        self._encoder = None
+        self._release_encoder()
         if self._errors.reported():
             lib.wgpuCommandBufferRelease(commands)
             self._errors.close()  # raises it: an invalid command buffer must never be submitted
@@ -89,10 +87,13 @@ class NativeRecording:
         self._errors.close()  # raises what the recording or the submit reported
 
     def release(self) -> None:
+        self._release_encoder()
+        self._errors.discard()
+
+    def _release_encoder(self) -> None:
         if self._encoder is not None:
             lib.wgpuCommandEncoderRelease(self._encoder)
             self._encoder = None
-        self._errors.discard()
 
 
 class WgpuPyRecording:
