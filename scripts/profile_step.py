@@ -97,8 +97,9 @@ def profile(kv_check: str, way: str, capacity: int, history: int, steps: int, rn
 
 def timeline(kv_check: str, way: str, capacity: int, history: int, steps: int, rng) -> None:
     """Decode steps without ORT's profiler: where ``run``'s time goes around and inside the
-    three PyOps, from clock marks at the entry and exit of each (the bridge's invocation hook,
-    wrapped). The gaps are ORT's native nodes and the bridge's copies between the ops."""
+    bridge's PyOps (two for exact nodes, which have no check op), from clock marks at the
+    entry and exit of each (the bridge's invocation hook, wrapped). The gaps are ORT's native
+    nodes and the bridge's copies between the ops."""
     from sparse_attention_op import _ortx_compat, bridge
 
     marks = []
@@ -123,9 +124,14 @@ def timeline(kv_check: str, way: str, capacity: int, history: int, steps: int, r
             end = time.perf_counter_ns()
             start = end - int(seconds * 1e9)  # run's start, up to the few steps after it returned
             op = {names[k]: (a, b) for k, a, b in marks}
-            (p0, p1), (c0, c1), (k0, k1) = op["plan_op"], op["check_op"], op["kernel_op"]
-            for name, ns in (("run", end - start), ("run to plan", p0 - start), ("plan", p1 - p0), ("plan to check", c0 - p1),
-                             ("check", c1 - c0), ("check to kernel", k0 - c1), ("kernel", k1 - k0), ("kernel to end", end - k1)):
+            (p0, p1), (k0, k1) = op["plan_op"], op["kernel_op"]
+            spans = [("run", end - start), ("run to plan", p0 - start), ("plan", p1 - p0)]
+            if "check_op" in op:  # fast nodes only
+                c0, c1 = op["check_op"]
+                spans += [("plan to check", c0 - p1), ("check", c1 - c0), ("check to kernel", k0 - c1)]
+            else:
+                spans.append(("plan to kernel", k0 - p1))
+            for name, ns in spans + [("kernel", k1 - k0), ("kernel to end", end - k1)]:
                 rows[name].append(ns / 1e3)
             for name, seconds in node_stats(session).phases.items():
                 rows[f"kernel: {name}"].append(seconds * 1e6)
@@ -148,7 +154,7 @@ def main() -> int:
     parser.add_argument("--history", type=int, default=8152)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prefill", type=int, default=0, help="profile prompts of this length instead of decode steps")
-    parser.add_argument("--timeline", action="store_true", help="decode steps without ORT's profiler: time around and inside the three ops")
+    parser.add_argument("--timeline", action="store_true", help="decode steps without ORT's profiler: time around and inside the bridge's ops")
     args = parser.parse_args()
     print(f"# {' '.join(sys.argv)}, onnxruntime {ort.__version__}")
     if args.timeline:

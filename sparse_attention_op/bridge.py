@@ -1,15 +1,15 @@
 """The onnxruntime-extensions PyOps that carry a SparseAttention node's work to the executor.
 
 prepare_model (model.py) replaces each SparseAttention node by native ONNX Runtime nodes
-around three PyOps, so that no cache-sized tensor crosses the bridge (docs/design.md, "The
-graph around the op"):
+around the bridge's PyOps (three for a fast node, two for an exact one), so that no
+cache-sized tensor crosses the bridge (docs/design.md, "The graph around the op"):
 
 * ``SparseAttentionPlan`` sees shapes and lengths only. It validates them and says which
-  past rows the cache check probes, which cos/sin rows the call's tokens read, and whether the
-  layout must cross (only until the node has seen it, when it is a constant).
-* ``SparseAttentionCacheCheck`` sees the probe rows. It says how many history rows must
-  cross: none when the resident cache holds the past (fast check), all of them otherwise
-  (and always, for the exact check).
+  past rows the fast check probes, which cos/sin rows the call's tokens read, whether the
+  layout must cross (only until the node has seen it, when it is a constant), and how many
+  history rows the exact check reads (all of them: exact nodes have no check op).
+* ``SparseAttentionCacheCheck`` (fast nodes only) sees the probe rows. It says how many
+  history rows must cross: none when the resident cache holds the past, all of them otherwise.
 * ``SparseAttentionKernel`` sees the query, the new key/value rows, the history rows asked
   for, the cos/sin rows and the layout when it crosses. It runs the GPU call and returns the
   output, the rotated new key rows and the ScatterND indices that place the new rows in
@@ -51,7 +51,7 @@ from .spec import SHAPED_INPUTS, CallShape, OpAttributes, ShapeFacts, SparseAtte
 BRIDGE_DOMAIN = "ai.sparse_attention_op"
 PLAN_OP, CHECK_OP, KERNEL_OP = "SparseAttentionPlan", "SparseAttentionCacheCheck", "SparseAttentionKernel"
 
-#: Attributes prepare_model stamps on each of the three ops, besides the operator's own.
+#: Attributes prepare_model stamps on each of a node's ops, besides the operator's own.
 NODE_KEY_ATTRIBUTE = "sao_node_key"  # "<session token>/<node identity>"
 STORAGE_ATTRIBUTE = "sao_storage"  # "float16" when the graph keeps the node's tensors in float16
 KV_CHECK_ATTRIBUTE = "sao_kv_check"  # "exact" or "fast"
@@ -74,6 +74,9 @@ _ATTRIBUTE_TYPES = {
 }
 #: Poison that no Gather/ScatterND accepts as an index.
 _BAD_INDEX = np.int64(2**62)
+#: A Slice end of two entries for one axis: ORT refuses it (the history Slices' poison).
+_SLICE_POISON = np.zeros(2, np.int64)
+_SLICE_POISON.flags.writeable = False
 #: An empty index list (no probe rows, no rotary rows), shared: the bridge copies outputs.
 _NO_ROWS = np.zeros(0, np.int64)
 _NO_ROWS.flags.writeable = False
@@ -228,12 +231,12 @@ class _PlanRefused(Exception):
 
 
 class _Tickets:
-    """The call shape each node's plan op validated, for its check and kernel ops of the same run.
+    """The call shape each node's plan op validated, for its (check and) kernel ops of the same run.
 
-    The plan op hands a ticket (a one-element int64 tensor) to the two later ops instead of
+    The plan op hands a ticket (a one-element int64 tensor) to the later ops instead of
     the eleven shape and length tensors they would otherwise take and describe again: fewer
     inputs for the bridge to copy, no second description. The fast check's probe chunks
-    travel with it too (the plan op chose them). Per thread: ORT runs the three ops of one
+    travel with it too (the plan op chose them). Per thread: ORT runs the ops of one
     node on the thread that called ``run`` (sequential execution), in data order. A
     session's entries go when it closes (:meth:`forget`).
     """
@@ -270,7 +273,7 @@ class _Tickets:
         if issued is None or issued[0] != number:
             raise SparseAttentionError(
                 f"SparseAttention: ticket {number} of node {node_key} was not issued by its plan op on this thread: the node's "
-                "three ops must run on one thread, in order (sequential execution, which sparse_attention_op.session.session_options() sets)")
+                "ops must run on one thread, in order (sequential execution, which sparse_attention_op.session.session_options() sets)")
         return issued
 
     def forget(self, token: str) -> None:
@@ -304,12 +307,14 @@ def _chunk_rows(info: NodeInfo, head_size: int, settings) -> int:
     return _executor().chunk_rows_for(head_size, info.float16_storage, settings)
 
 
-# -- the three ops ------------------------------------------------------------------------
+# -- the ops ------------------------------------------------------------------------------
 def plan_op(*inputs, **attributes):
     """Shapes and lengths -> probe row indices, the new tokens' rotary rows, how many layouts cross,
-    and the target shapes of the native Reshapes (past as rows, the new rows by head, the
-    output). Every native node that could fail on a malformed input depends on one of these
-    outputs, so this op's own check runs first and its message is the one reported."""
+    the target shapes of the native Reshapes (past as rows, the new rows by head, the
+    output), and the history rows of the call (the exact check's Slice end: it reads them
+    all, so its nodes need no check op). Every native node that could fail on a malformed
+    input depends on one of these outputs, so this op's own check runs first and its
+    message is the one reported."""
     info = node_info(attributes)
     shape_arrays, (total, key_totals) = inputs[: len(SHAPED_INPUTS)], inputs[len(SHAPED_INPUTS) :]
     shape, known = _describe(info, shape_arrays, total, key_totals)
@@ -329,19 +334,22 @@ def plan_op(*inputs, **attributes):
         known.past_rows_shape,
         known.split_shape,
         known.output_shape,
+        np.array([shape.history_rows], np.int64),
         tickets.issue(info.node_key, shape, probes),
     )
 
 
 def _plan_poison(inputs):
-    # An index no Gather accepts, one-element Reshape targets no tensor here fits, and a
-    # ticket that tells the later ops to poison their outputs too.
+    # An index no Gather accepts, one-element Reshape targets no tensor here fits, a Slice
+    # end ORT refuses, and a ticket that tells the later ops to poison their outputs too.
     one = np.ones(1, np.int64)
-    return np.array([_BAD_INDEX]), np.zeros(0, np.int64), np.zeros(1, np.int64), one, one, one, np.array([_Tickets.REFUSED], np.int64)
+    return (np.array([_BAD_INDEX]), np.zeros(0, np.int64), np.zeros(1, np.int64), one, one, one, _SLICE_POISON,
+            np.array([_Tickets.REFUSED], np.int64))
 
 
 def check_op(probe_key, probe_value, ticket, **attributes):
-    """Probe rows -> how many history rows must cross (0: the resident cache holds the past)."""
+    """The fast check: probe rows -> how many history rows must cross (0: the resident cache
+    holds the past)."""
     info = node_info(attributes)
     shape, issued_probes = tickets.redeem_probes(info.node_key, ticket)
     if shape.is_prompt:
@@ -359,7 +367,7 @@ def check_op(probe_key, probe_value, ticket, **attributes):
 
 
 def _check_poison(inputs):
-    return (np.zeros(2, np.int64),)  # a Slice end of two entries for one axis: ORT refuses it
+    return (_SLICE_POISON,)
 
 
 def kernel_op(query, key, value, history_key, history_value, block_rows, block_cols, cos_rows, sin_rows, ticket, **attributes):
@@ -463,7 +471,7 @@ def register() -> None:
         host_memory.keep_large_blocks()  # the bridge's copies of large inputs, warm from call to call
         common = dict(attrs=_ATTRIBUTE_TYPES, raw_attributes=True)
         register_array_op(plan_op, _plan_poison, op_type=f"{BRIDGE_DOMAIN}::{PLAN_OP}", inputs=_SHAPES + [_I32, _I32],
-                          outputs=[_I64] * 7, **common)
+                          outputs=[_I64] * 8, **common)
         register_array_op(check_op, _check_poison, op_type=f"{BRIDGE_DOMAIN}::{CHECK_OP}", inputs=[_F, _F, _I64], outputs=[_I64], **common)
         register_array_op(kernel_op, _kernel_poison, op_type=f"{BRIDGE_DOMAIN}::{KERNEL_OP}",
                           inputs=[_F, _F, _F, _F, _F, _I32, _I32, _F, _F, _I64], outputs=[_F, _F, _I64], **common)

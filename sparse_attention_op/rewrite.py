@@ -5,8 +5,9 @@ past_key/past_value in and gave the presents out would move four cache-sized ten
 call whatever the work (docs/design.md, "The graph around the op"). The rewrite keeps them
 native:
 
-    Shape x9, total, key_totals --> SparseAttentionPlan --> probe rows, rotary window, layouts, ticket
-    past --Reshape(rows)--> Gather(probe rows) --> SparseAttentionCacheCheck (ticket) --> history rows F
+    Shape x9, total, key_totals --> SparseAttentionPlan --> probe rows, rotary window, layouts, history rows, ticket
+    fast:  past --Reshape(rows)--> Gather(probe rows) --> SparseAttentionCacheCheck (ticket) --> history rows F
+    exact: F = the plan's history rows (every history row is digested: no probes, no check op)
     past --Slice[0:F]--> history  \\
     cos/sin --Gather[positions]-->  > SparseAttentionKernel (ticket) --> output, new keys, indices
     layout --Slice[0:layouts]-->   /    query, key, value -------^
@@ -108,15 +109,19 @@ def expand(plan: NodePlan) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]
 
     shapes = [b.add("Shape", [inputs[name]], f"shape_{name}") for name in SHAPED_INPUTS]
     # The ticket hands the plan's validated call shape to the two later ops (bridge.tickets).
-    probe_rows, positions, layouts, past_rows_shape, split_shape, output_shape, ticket = b.add(
-        PLAN_OP, shapes + lengths, ["probe_rows", "positions", "layouts", "past_rows_shape", "split_shape", "output_shape", "ticket"],
+    probe_rows, positions, layouts, past_rows_shape, split_shape, output_shape, all_history, ticket = b.add(
+        PLAN_OP, shapes + lengths,
+        ["probe_rows", "positions", "layouts", "past_rows_shape", "split_shape", "output_shape", "all_history_rows", "ticket"],
         domain=BRIDGE_DOMAIN, **op_attributes)
 
-    probes = []
-    for name in ("past_key", "past_value"):
-        flat = b.add("Reshape", [inputs[name], past_rows_shape], f"{name}_rows")
-        probes.append(b.float32(b.add("Gather", [flat, probe_rows], f"{name}_probes", axis=0), f16))
-    history_rows = b.add(CHECK_OP, probes + [ticket], "history_rows", domain=BRIDGE_DOMAIN, **op_attributes)
+    if plan.kv_check == "fast":
+        probes = []
+        for name in ("past_key", "past_value"):
+            flat = b.add("Reshape", [inputs[name], past_rows_shape], f"{name}_rows")
+            probes.append(b.float32(b.add("Gather", [flat, probe_rows], f"{name}_probes", axis=0), f16))
+        history_rows = b.add(CHECK_OP, probes + [ticket], "history_rows", domain=BRIDGE_DOMAIN, **op_attributes)
+    else:  # the exact check digests every history row: one PyOp and four native nodes fewer per call
+        history_rows = all_history
     history = [b.float32(b.add("Slice", [inputs[name], ZERO, history_rows, AXIS2], f"{name}_history"), f16) for name in ("past_key", "past_value")]
 
     if attrs.do_rotary:

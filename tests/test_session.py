@@ -62,6 +62,16 @@ def test_prepare_model_rewrites_the_node_around_the_bridge_ops(rng):
     assert model.graph.node[0].op_type == "SparseAttention" and len(model.graph.node[0].input) == 9
 
 
+def test_exact_nodes_slice_the_history_the_plan_op_names_without_a_check_op(rng):
+    prepared = sao.prepare_model(model_and_inputs(CaseConfig(), rng)[0], kv_check="exact")
+    (plan,) = bridge_nodes(prepared, PLAN_OP)
+    assert bridge_nodes(prepared, CHECK_OP) == []
+    slices = [n for n in prepared.graph.node if n.op_type == "Slice" and n.input[0] in ("past_key", "past_value")]
+    assert len(slices) == 2 and {n.input[2] for n in slices} == {plan.output[-2]}
+    # No probe rows are gathered from the past either.
+    assert not [n for n in prepared.graph.node if n.op_type == "Gather" and n.input[1] == plan.output[0]]
+
+
 def test_prepare_model_marks_graph_input_layouts_per_call(rng):
     model, _ = model_and_inputs(CaseConfig(), rng, constants=())
     kernel = bridge_nodes(sao.prepare_model(model), KERNEL_OP)[0]
