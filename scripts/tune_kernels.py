@@ -98,6 +98,7 @@ DECODE_CANDIDATES = [
     ("target 2048", dict(decode_target_workgroups=2048, decode_min_keys_per_split=32)),
     ("lanes 16", dict(decode_lanes_per_key=16)),
     ("keys/group 1", dict(decode_keys_per_group=1)),
+    ("keys/group 4", dict(decode_keys_per_group=4)),
     ("wg 128", dict(decode_workgroup=128)),
     ("wg 128 target 512", dict(decode_workgroup=128, decode_target_workgroups=512)),
     ("wg 64 target 256", dict(decode_workgroup=64, decode_target_workgroups=256)),
@@ -277,7 +278,7 @@ def run_sweep(args) -> int:
     wanted = set(args.only or [])
     rng = np.random.default_rng(0)
     # A CPU adapter has no clocks to bring up, and the warmer would take minutes there.
-    warm_seconds = 0.0 if args.quick or context.adapter_type == "CPU" else WARM_SECONDS
+    warm_seconds = 0.0 if args.quick or context.adapter_type == "CPU" else args.warm_seconds
     print("| case | candidate | passes (GPU ms) | attention ms | total ms | rate | max err |")
     print("|---|---|---|---|---|---|---|")
     best: dict[str, tuple[float, str]] = {}
@@ -404,6 +405,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=None, help="dispatch list repetitions per call (default 10, --quick 2)")
     parser.add_argument("--rounds", type=int, default=None, help="round-robin passes over each case's candidates, the least time counts (default 2, --quick 1)")
     parser.add_argument("--only", nargs="*", help="candidate names to run besides 'default'")
+    parser.add_argument("--warm-seconds", type=float, default=WARM_SECONDS,
+                        help="GPU seconds of the warmer before each timed call (H200: 0.03 s did not always bring the clock "
+                             "up to 1980 MHz, nvidia-smi read 780-1035 MHz in some candidates' windows)")
     parser.add_argument("--lavapipe-check", action="store_true", help="sparse prefill vs numpy dense causal attention")
     parser.add_argument("--check-len", type=int, default=2048)
     parser.add_argument("--check-local-blocks", type=int, default=2, help="2: about 20%% of the causal pairs at 2048")

@@ -26,6 +26,10 @@ ROUTES = {
     "tiled-no-prefetch": dict(SMALL_TILES, prefill_prefetch=False),
     SPLIT: dict(decode_max_queries=4096, decode_target_workgroups=4096, decode_min_keys_per_split=3, decode_fused_append=True),
     "split-unfused": dict(decode_max_queries=4096, decode_target_workgroups=4096, decode_min_keys_per_split=3, decode_fused_append=False),
+    # One slice per query in small tiles (64 invocations: 32 keys a tile at head size 16), so
+    # a slice walks several tiles; fused, so only the tile that holds this call's own rows may
+    # take the readers of the inputs (CPU adapters' own tuning does not fuse).
+    "split-tiles": dict(decode_max_queries=4096, decode_target_workgroups=1, decode_workgroup=64, decode_fused_append=True),
     ROWS: dict(prefill_pass=ROWS, rows_lanes=8, rows_query_regs=2, prefill_min_queries=1, decode_max_queries=0),
     SIMPLE: dict(decode_max_queries=0, prefill_min_queries=1 << 30),
 }
@@ -110,7 +114,7 @@ def test_default_tiles_shrink_to_the_workgroup_memory(executor, rng, storage):
     check(runner, config, rng, TILED)
 
 
-@pytest.mark.parametrize("route", ["tiled-default", ROWS, SPLIT])
+@pytest.mark.parametrize("route", ["tiled-default", ROWS, SPLIT, "split-tiles"])
 @pytest.mark.parametrize("block", [8, 16, 32, 64, 128])
 def test_block_sizes(executor, rng, route, block):
     runner, expect = forced(executor, route)
@@ -145,7 +149,7 @@ def test_rows_with_no_visible_key_average_their_history(executor, rng, route):
     check(runner, config, rng, expect, inputs=no_reachable_block_inputs(config, rng))
 
 
-@pytest.mark.parametrize("route", [SPLIT, "split-unfused"])
+@pytest.mark.parametrize("route", [SPLIT, "split-unfused", "split-tiles"])
 def test_decode_with_no_visible_key(executor, rng, route):
     runner, _ = forced(executor, route)
     config = CaseConfig(seq_len=1, past_lengths=(19,), max_cache_len=32, sparse_block_size=8, num_layout=2)
@@ -153,7 +157,7 @@ def test_decode_with_no_visible_key(executor, rng, route):
     check(runner, config, rng, SPLIT, inputs=inputs)
 
 
-@pytest.mark.parametrize("route", [TILED, ROWS, SPLIT, "split-unfused"])
+@pytest.mark.parametrize("route", [TILED, ROWS, SPLIT, "split-unfused", "split-tiles"])
 def test_f16_cache(executor, rng, route):
     if "shader-f16" not in executor.context.features:
         pytest.fail("the f16 cache needs an adapter with shader-f16 (lavapipe has it)")
@@ -184,7 +188,7 @@ def test_split_k_with_more_slices_than_keys(executor, rng):
     check(runner, config, rng, SPLIT, inputs=inputs)
 
 
-@pytest.mark.parametrize("route", [SPLIT, "split-unfused"])
+@pytest.mark.parametrize("route", [SPLIT, "split-unfused", "split-tiles"])
 @pytest.mark.parametrize("past", [(0, 5, 40, 63), (63, 0, 17, 1)])
 def test_split_k_ragged_batch(executor, rng, past, route):
     runner, _ = forced(executor, route)
@@ -199,7 +203,7 @@ def test_padded_prompt_rows_of_different_lengths(executor, rng, route):
     check(runner, config, rng, expect)
 
 
-@pytest.mark.parametrize("route", [SPLIT, "split-unfused"])
+@pytest.mark.parametrize("route", [SPLIT, "split-unfused", "split-tiles"])
 def test_split_k_short_chunk_decode_chain(executor, rng, route):
     # Chunks of 3 and single steps through split-K, the presents fed back each time.
     runner, _ = forced(executor, route)
