@@ -20,7 +20,10 @@ from a second session over the same past, medians over at most 10 steps: timesta
 pass per dispatch and host work, so the timed steps run without them, as a user's do); ORT's CPU kernel on the same shapes and history with shared buffers (``--ort``, on by
 default); the Identity floor (ORT passing the two cache tensors through Identity, plain run).
 A prefill case reports ``run`` minus the GPU time. The node's host record is reported
-against the cache's bytes.
+against the cache's bytes. Where NVML is found (NVIDIA GPUs), the GPU's SM clock is read
+after each timed step and each timestamped one (medians: "SM MHz (run / GPU)"): GPU times
+in a decode loop are taken at whatever clock the loop leaves the GPU in
+(sparse_attention_op/benchmarking/clocks.py).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import onnxruntime as ort
 
+from sparse_attention_op.benchmarking.clocks import SmClock, median_mhz, sm_clock
 from sparse_attention_op.benchmarking.common import PHI3_SMALL, identity_floor_session, median_seconds
 
 import sparse_attention_op as sao
@@ -76,6 +80,8 @@ class Row:
     ort_cpu_ms: float | None
     identity_ms: float | None
     record_fraction: float
+    sm_mhz_run: float | None = None  # the GPU's SM clock after the timed steps (median; NVML)
+    sm_mhz_gpu: float | None = None  # and after the timestamped session's steps
 
     def cells(self) -> list[str]:
         def ms(value):
@@ -84,10 +90,16 @@ class Row:
         vs_ort = "-" if self.ort_cpu_ms is None else f"{self.run_ms / self.ort_cpu_ms:.2f}x"
         vs_identity = "-" if self.identity_ms is None else f"{self.run_ms / self.identity_ms:.2f}x"
         return [self.kv_check, self.way, str(self.capacity), str(self.history), ms(self.run_ms), ms(self.op_host_ms), ms(self.gpu_ms),
-                ms(self.ort_cpu_ms), ms(self.identity_ms), vs_ort, vs_identity, f"{100 * self.record_fraction:.2f}%"]
+                ms(self.ort_cpu_ms), ms(self.identity_ms), vs_ort, vs_identity, f"{100 * self.record_fraction:.2f}%",
+                f"{_mhz(self.sm_mhz_run)} / {_mhz(self.sm_mhz_gpu)}"]
 
 
-HEADER = ["kv_check", "way", "capacity", "history", "run ms", "op host ms", "GPU ms", "ORT CPU ms", "Identity ms", "run / ORT CPU", "run / Identity", "record / cache"]
+def _mhz(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+HEADER = ["kv_check", "way", "capacity", "history", "run ms", "op host ms", "GPU ms", "ORT CPU ms", "Identity ms", "run / ORT CPU", "run / Identity", "record / cache",
+          "SM MHz (run / GPU)"]
 
 
 #: Untimed steps before a case's timed ones.
@@ -151,31 +163,34 @@ def ort_cpu_decode(model, capacity: int, history: int, steps: int, rng) -> float
     return statistics.median(times)
 
 
-def gpu_seconds(model, kv_check: str, capacity: int, history: int, way: str, steps: int, rng, past) -> list[float]:
+def gpu_seconds(model, kv_check: str, capacity: int, history: int, way: str, steps: int, rng, past, clock: SmClock) -> tuple[list[float], list]:
     """GPU time per decode step, from a session of its own with timestamps on (they add a
-    pass per dispatch and host work, so the timed steps of run_case run without them)."""
+    pass per dispatch and host work, so the timed steps of run_case run without them), and
+    the SM clock read after each step."""
     session = sao.create_session(model, kv_check=kv_check, profile=True)
     decoder = Decoder(session, capacity, history, way, rng, past=past)
     for _ in range(WARMUP_STEPS):
         decoder.step()
-    times = []
+    times, clocks = [], []
     for _ in range(steps):
         decoder.step()
+        clocks.append(clock.read())
         total = node_stats(session).gpu_total
         if total is not None:
             times.append(total)
-    return times
+    return times, clocks
 
 
-def run_case(kv_check: str, way: str, capacity: int, history: int, args, rng) -> Row:
+def run_case(kv_check: str, way: str, capacity: int, history: int, args, rng, clock: SmClock) -> Row:
     model = model_for(capacity, rng)
     session = sao.create_session(model, kv_check=kv_check)
     decoder = Decoder(session, capacity, history, way, rng)
     for _ in range(WARMUP_STEPS):  # the first step brings the history to the GPU
         decoder.step()
-    runs, hosts = [], []
+    runs, hosts, clocks = [], [], []
     for _ in range(args.steps):
         runs.append(decoder.step())
+        clocks.append(clock.read())  # after the step's run: outside its timing
         stats = node_stats(session)
         hosts.append(stats.seconds - stats.phases["wait_read"])
     executor = get_executor()
@@ -183,7 +198,7 @@ def run_case(kv_check: str, way: str, capacity: int, history: int, args, rng) ->
     record_bytes = executor.node_state(key).cache.record.nbytes
     cache_bytes = 2 * decoder.past[0].nbytes
     decoder.session = session = None  # one resident cache at a time (the timestamped session's next)
-    gpus = gpu_seconds(model, kv_check, capacity, history, way, min(args.steps, 10), rng, decoder.past) if args.profile else []
+    gpus, gpu_clocks = gpu_seconds(model, kv_check, capacity, history, way, min(args.steps, 10), rng, decoder.past, clock) if args.profile else ([], [])
     ort_ms = ort_cpu_decode(model, capacity, history, args.steps, rng) * 1e3 if args.ort else None
     identity_ms = None
     if way == "plain":
@@ -191,17 +206,18 @@ def run_case(kv_check: str, way: str, capacity: int, history: int, args, rng) ->
         identity_ms = median_seconds(lambda: floor.run(None, {"past_key": decoder.past[0], "past_value": decoder.past[1]}), args.steps) * 1e3
     del decoder
     return Row(kv_check, way, capacity, history, statistics.median(runs) * 1e3, statistics.median(hosts) * 1e3,
-               statistics.median(gpus) * 1e3 if gpus else None, ort_ms, identity_ms, record_bytes / cache_bytes)
+               statistics.median(gpus) * 1e3 if gpus else None, ort_ms, identity_ms, record_bytes / cache_bytes, median_mhz(clocks),
+               median_mhz(gpu_clocks))
 
 
-def prefill_case(kv_check: str, length: int, args, rng) -> dict:
+def prefill_case(kv_check: str, length: int, args, rng, clock: SmClock) -> dict:
     """A prompt of ``length`` tokens with shared buffers: run minus GPU time (host overhead).
     The runs are timed without timestamps; a session of its own, with them, gives the GPU time."""
     config = CaseConfig(seq_len=length, max_cache_len=length, **PHI3_SMALL)
     inputs = random_inputs(config, rng)
     model = sparse_attention_model(config.node_attributes(), inputs, constants=CONSTANTS)
     values = {n: ort.OrtValue.ortvalue_from_numpy(inputs[n]) for n in ("past_key", "past_value")}
-    runs, gpus, phases = [], [], []
+    runs, gpus, phases, clocks = [], [], [], {False: [], True: []}
     for profile in (False, True):
         session = sao.create_session(model, kv_check=kv_check, profile=profile)
         for _ in range(max(3, args.steps // 5)):
@@ -209,6 +225,7 @@ def prefill_case(kv_check: str, length: int, args, rng) -> dict:
             start = time.perf_counter()
             session.run_with_iobinding(binding)
             seconds = time.perf_counter() - start
+            clocks[profile].append(clock.read())
             stats = node_stats(session)
             if profile:
                 gpus.append(stats.gpu_total or 0.0)
@@ -218,7 +235,8 @@ def prefill_case(kv_check: str, length: int, args, rng) -> dict:
         del session
     run, gpu = statistics.median(runs[1:]), statistics.median(gpus[1:])
     phase = {k: round(statistics.median(p[k] for p in phases[1:]) * 1e3, 2) for k in phases[0]}
-    return dict(kv_check=kv_check, prompt=length, run_ms=run * 1e3, gpu_ms=gpu * 1e3, run_minus_gpu_ms=(run - gpu) * 1e3, op_phases_ms=phase)
+    return dict(kv_check=kv_check, prompt=length, run_ms=run * 1e3, gpu_ms=gpu * 1e3, run_minus_gpu_ms=(run - gpu) * 1e3, op_phases_ms=phase,
+                sm_mhz_run=median_mhz(clocks[False][1:]), sm_mhz_gpu=median_mhz(clocks[True][1:]))
 
 
 def rss_bytes() -> int:
@@ -263,21 +281,25 @@ def main() -> int:
                          f"(at most {capacity - history - WARMUP_STEPS} steps for this case)")
 
     executor = get_executor()
+    clock = sm_clock()
     rng = np.random.default_rng(0)
     machine = f"{platform.node()} ({os.cpu_count()} CPUs), adapter {executor.context.description}, onnxruntime {ort.__version__}"
+    if not clock.available:
+        machine += " (no NVML: SM clocks not read)"
     print(f"# {' '.join(sys.argv)}\n# {machine}\n")
     print("| " + " | ".join(HEADER) + " |\n|" + "---|" * len(HEADER), flush=True)
     rows = []
     for case in cases:
-        row = run_case(*case, args, rng)
+        row = run_case(*case, args, rng, clock)
         rows.append(row)
         print("| " + " | ".join(row.cells()) + " |", flush=True)
     prefills = []
     for length in args.prefill if args.prefill is not None else ([1024] if args.quick else [8192]):
-        prefills.append(prefill_case("fast", length, args, rng))
+        prefills.append(prefill_case("fast", length, args, rng, clock))
         p = prefills[-1]
         print(f"\nprefill {p['prompt']}, shared buffers: run {p['run_ms']:.1f} ms, GPU {p['gpu_ms']:.1f} ms, "
-              f"run minus GPU {p['run_minus_gpu_ms']:.1f} ms; op phases (ms): {p['op_phases_ms']}", flush=True)
+              f"run minus GPU {p['run_minus_gpu_ms']:.1f} ms; op phases (ms): {p['op_phases_ms']}; "
+              f"SM MHz (run / GPU): {_mhz(p['sm_mhz_run'])} / {_mhz(p['sm_mhz_gpu'])}", flush=True)
     if args.soak:
         print("\n" + soak(args.soak, 1024 if args.quick else 8192, rng), flush=True)
     if args.json:

@@ -20,6 +20,8 @@ key) pairs the layout lets a query see, times 4 * head_size flops); decode repor
 the selected K/V bytes (each visible key's K and V rows, per query head). Each result is
 spot-checked against a float64 recomputation of sampled rows (8 of them); a candidate over
 the tolerance (2e-3, float16 caches 1e-2) is marked FAIL and never chosen as the best.
+"SM MHz" is the GPU's SM clock read (NVML, NVIDIA only) as each timed call ends, the median
+of the kept round: a candidate timed below the boost clock is not comparable with the others.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import jinja2
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sparse_attention_op.benchmarking.clocks import median_mhz, sm_clock  # noqa: E402
 from sparse_attention_op.benchmarking.common import PHI3_SMALL, spot_check  # noqa: E402
 
 from sparse_attention_op.inputs import CaseConfig, random_inputs  # noqa: E402
@@ -48,7 +51,10 @@ from sparse_attention_op.webgpu.programs import Binding, Dispatch, Program, _env
 SETTLE_SECONDS = 0.05
 MAX_REPEATS = 400
 #: The warmer: GPU seconds before each timed call, its grid, its calibration run's length.
-WARM_SECONDS = 0.03
+#: H200, 2026-12-02: with 0.03 s nvidia-smi read 780-1035 MHz (not 1980) in the windows of
+#: some candidates, whose merge pass, the same in all, then took 0.016-0.020 ms instead of
+#: 0.008; with 0.3 s every candidate of a decode sweep timed its merge at 0.008-0.009 ms.
+WARM_SECONDS = 0.3
 WARMER_GROUPS = 4096
 WARM_CALIBRATION = 20000
 
@@ -235,7 +241,7 @@ def settled_seconds(samples: list[dict]) -> dict:
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def time_candidate(executor, call, case: Case, reps: int, repeats: int, warm_seconds: float) -> tuple[dict, np.ndarray]:
+def time_candidate(executor, call, case: Case, reps: int, repeats: int, warm_seconds: float, clock) -> tuple[dict, np.ndarray, float | None]:
     """Settled GPU seconds per dispatch over reps calls, and the output of a plain call.
 
     A plain call first (it compiles and allocates, and its output is what gets checked);
@@ -252,11 +258,12 @@ def time_candidate(executor, call, case: Case, reps: int, repeats: int, warm_sec
         with RepeatedDispatches(executor, node, 1, WARM_CALIBRATION):  # how long the warmer's iterations take
             calibration = executor.run(call, node, settings).stats.gpu_seconds["warmer#0"]
         warm = max(1, min(2**31, int(WARM_CALIBRATION * warm_seconds / max(calibration, 1e-6))))
-    samples = []
+    samples, clocks = [], []
     with RepeatedDispatches(executor, node, repeats, warm):
         for _ in range(reps):
             samples.append(executor.run(call, node, settings).stats.gpu_seconds)
-    return settled_seconds(samples), output
+            clocks.append(clock.read())  # the SM clock as the call's repetitions end
+    return settled_seconds(samples), output, median_mhz(clocks)
 
 
 def _rate(per_second: float, unit: str) -> str:
@@ -279,8 +286,9 @@ def run_sweep(args) -> int:
     rng = np.random.default_rng(0)
     # A CPU adapter has no clocks to bring up, and the warmer would take minutes there.
     warm_seconds = 0.0 if args.quick or context.adapter_type == "CPU" else args.warm_seconds
-    print("| case | candidate | passes (GPU ms) | attention ms | total ms | rate | max err |")
-    print("|---|---|---|---|---|---|---|")
+    clock = sm_clock()
+    print("| case | candidate | passes (GPU ms) | attention ms | total ms | rate | max err | SM MHz |")
+    print("|---|---|---|---|---|---|---|---|")
     best: dict[str, tuple[float, str]] = {}
     started = time.perf_counter()
     for case in cases:
@@ -298,20 +306,20 @@ def run_sweep(args) -> int:
         # and 12.5 ms at prefill 8192 in one sweep, the first of a case being slow): every
         # candidate is timed in each of `rounds` round-robin passes, and the least counts.
         rounds = args.rounds
-        results: dict[str, tuple[dict, float]] = {}
+        results: dict[str, tuple[dict, float, float | None]] = {}  # seconds, error, SM MHz of the kept round
         for _ in range(rounds):
             for name, fields in candidates:
                 executor = WebGPUExecutor(context, dataclasses.replace(base, **fields))
                 try:
-                    seconds, output = time_candidate(executor, call, case, args.reps, args.repeats, warm_seconds)
+                    seconds, output, mhz = time_candidate(executor, call, case, args.reps, args.repeats, warm_seconds, clock)
                 finally:
                     executor.release("")
                 error = spot_check(inputs, output, attrs["sparse_block_size"], 8, rng)
                 if name not in results or sum(seconds.values()) < sum(results[name][0].values()):
-                    results[name] = (seconds, max(error, results.get(name, ({}, 0.0))[1]))
+                    results[name] = (seconds, max(error, results.get(name, ({}, 0.0, None))[1]), mhz)
                 else:
-                    results[name] = (results[name][0], max(error, results[name][1]))
-        for name, (seconds, error) in results.items():
+                    results[name] = (results[name][0], max(error, results[name][1]), results[name][2])
+        for name, (seconds, error, mhz) in results.items():
             tolerance = 1e-2 if case.cache == "f16" else 2e-3
             attention = sum(v for k, v in seconds.items() if k != "kv_append")
             total = sum(seconds.values())
@@ -319,7 +327,7 @@ def run_sweep(args) -> int:
             passes = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in seconds.items())
             ok = error <= tolerance
             print(f"| {case.label} | {name} | {passes} | {attention * 1e3:.3f} | {total * 1e3:.3f} | {rate} | "
-                  f"{error:.1e}{'' if ok else ' FAIL'} |", flush=True)
+                  f"{error:.1e}{'' if ok else ' FAIL'} | {'-' if mhz is None else f'{mhz:.0f}'} |", flush=True)
             if ok and (case.label not in best or total < best[case.label][0]):
                 best[case.label] = (total, name)
     print(f"\nSweep took {time.perf_counter() - started:.0f} s.\n\nBest per case (whole call, GPU ms):")
@@ -406,8 +414,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=None, help="round-robin passes over each case's candidates, the least time counts (default 2, --quick 1)")
     parser.add_argument("--only", nargs="*", help="candidate names to run besides 'default'")
     parser.add_argument("--warm-seconds", type=float, default=WARM_SECONDS,
-                        help="GPU seconds of the warmer before each timed call (H200: 0.03 s did not always bring the clock "
-                             "up to 1980 MHz, nvidia-smi read 780-1035 MHz in some candidates' windows)")
+                        help="GPU seconds of the warmer before each timed call (default %(default)s; see WARM_SECONDS)")
     parser.add_argument("--lavapipe-check", action="store_true", help="sparse prefill vs numpy dense causal attention")
     parser.add_argument("--check-len", type=int, default=2048)
     parser.add_argument("--check-local-blocks", type=int, default=2, help="2: about 20%% of the causal pairs at 2048")
