@@ -242,7 +242,8 @@ def settled_seconds(samples: list[dict]) -> dict:
 
 
 def time_candidate(executor, call, case: Case, reps: int, repeats: int, warm_seconds: float, clock) -> tuple[dict, np.ndarray, float | None]:
-    """Settled GPU seconds per dispatch over reps calls, and the output of a plain call.
+    """Settled GPU seconds per dispatch over reps calls, the output of a plain call, and the
+    median SM clock (MHz, None without NVML) read as each timed call ended.
 
     A plain call first (it compiles and allocates, and its output is what gets checked);
     then the dispatch list repeats enough times for about SETTLE_SECONDS of GPU work per
@@ -414,7 +415,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=None, help="round-robin passes over each case's candidates, the least time counts (default 2, --quick 1)")
     parser.add_argument("--only", nargs="*", help="candidate names to run besides 'default'")
     parser.add_argument("--warm-seconds", type=float, default=WARM_SECONDS,
-                        help="GPU seconds of the warmer before each timed call (default %(default)s; see WARM_SECONDS)")
+                        help="GPU seconds of the warmer before each timed call (default %(default)s; see WARM_SECONDS; "
+                             "none with --quick or on CPU adapters)")
     parser.add_argument("--lavapipe-check", action="store_true", help="sparse prefill vs numpy dense causal attention")
     parser.add_argument("--check-len", type=int, default=2048)
     parser.add_argument("--check-local-blocks", type=int, default=2, help="2: about 20%% of the causal pairs at 2048")

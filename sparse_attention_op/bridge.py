@@ -51,6 +51,11 @@ from .spec import SHAPED_INPUTS, CallShape, OpAttributes, ShapeFacts, SparseAtte
 BRIDGE_DOMAIN = "ai.sparse_attention_op"
 PLAN_OP, CHECK_OP, KERNEL_OP = "SparseAttentionPlan", "SparseAttentionCacheCheck", "SparseAttentionKernel"
 
+#: The bridge ops' interface: their inputs and outputs. Prepared models and GenAI folders
+#: record it (model.py, genai.py), and one prepared under another format is refused with a
+#: message instead of ORT's complaint about an op's output count. 1: until 2026-12-02;
+#: 2: the plan op also gives the history rows (eight outputs), exact nodes have no check op.
+BRIDGE_FORMAT = 2
 #: Attributes prepare_model stamps on each of a node's ops, besides the operator's own.
 NODE_KEY_ATTRIBUTE = "sao_node_key"  # "<session token>/<node identity>"
 STORAGE_ATTRIBUTE = "sao_storage"  # "float16" when the graph keeps the node's tensors in float16
@@ -341,7 +346,9 @@ def plan_op(*inputs, **attributes):
 
 def _plan_poison(inputs):
     # An index no Gather accepts, one-element Reshape targets no tensor here fits, a Slice
-    # end ORT refuses, and a ticket that tells the later ops to poison their outputs too.
+    # end ORT refuses (an exact node then fails before its Slices copy the history; the
+    # kernel op's poison would fail it later anyway), and a ticket that tells the later ops
+    # to poison their outputs too.
     one = np.ones(1, np.int64)
     return (np.array([_BAD_INDEX]), np.zeros(0, np.int64), np.zeros(1, np.int64), one, one, one, _SLICE_POISON,
             np.array([_Tickets.REFUSED], np.int64))
@@ -354,15 +361,13 @@ def check_op(probe_key, probe_value, ticket, **attributes):
     shape, issued_probes = tickets.redeem_probes(info.node_key, ticket)
     if shape.is_prompt:
         return (np.zeros(1, np.int64),)
-    if issued_probes is not None:  # the fast check (the plan op chose the probes)
-        executor, settings = _executor(), _settings(info)
-        chunk_rows, probes = issued_probes
-        b, heads, _, h = shape.cache_shape
-        rows = (b, heads, probes.shape[1] * chunk_rows, h)
-        if probe_key.size == np.prod(rows) and executor.cache_holds(
-            info.node_key, shape, probes, probe_key.reshape(rows), probe_value.reshape(rows), info.float16_storage, settings
-        ):
-            return (np.zeros(1, np.int64),)
+    chunk_rows, probes = issued_probes  # a fast node's plan op chose them for every decode call
+    b, heads, _, h = shape.cache_shape
+    rows = (b, heads, probes.shape[1] * chunk_rows, h)
+    if probe_key.size == np.prod(rows) and _executor().cache_holds(
+        info.node_key, shape, probes, probe_key.reshape(rows), probe_value.reshape(rows), info.float16_storage, _settings(info)
+    ):
+        return (np.zeros(1, np.int64),)
     return (np.array([shape.history_rows], np.int64),)
 
 

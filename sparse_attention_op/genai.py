@@ -38,7 +38,7 @@ import onnx
 from onnx import external_data_helper
 from onnxruntime_extensions import get_library_path
 
-from .bridge import BRIDGE_DOMAIN, KV_CHECKS, register
+from .bridge import BRIDGE_DOMAIN, BRIDGE_FORMAT, KV_CHECKS, register
 from .inspection import all_nodes
 from .model import is_sparse_attention, prepare_model
 from .model_files import GENAI_CONFIG
@@ -97,7 +97,8 @@ def prepare_genai_folder(source, target, *, kv_check: str = "fast", overwrite: b
         _copy_tree(source, staging, skip)
         config.setdefault("search", {})["past_present_share_buffer"] = True
         (staging / GENAI_CONFIG).write_text(json.dumps(config, indent=4) + "\n")
-        record = {"session_token": token, "kv_check": kv_check, "custom_ops_library": library.name, "models": rewritten}
+        record = {"session_token": token, "kv_check": kv_check, "custom_ops_library": library.name, "models": rewritten,
+                  "bridge_format": BRIDGE_FORMAT}
         (staging / RECORD_FILE).write_text(json.dumps(record, indent=4) + "\n")
         if target.exists():
             shutil.rmtree(target)
@@ -125,6 +126,11 @@ def load_genai_model(folder):
     if not record_path.is_file():
         raise FileNotFoundError(f"folder {folder}: no {RECORD_FILE}; prepare it with prepare_genai_folder first")
     record = json.loads(record_path.read_text())
+    found = record.get("bridge_format", 1)  # folders prepared before it was recorded are format 1
+    if found != BRIDGE_FORMAT:
+        raise RuntimeError(
+            f"folder {folder}: prepared by a sparse_attention_op with bridge format {found}; this version runs format "
+            f"{BRIDGE_FORMAT}: prepare the folder again with prepare_genai_folder")
     library = folder / record["custom_ops_library"]
     if not (library.is_file() and os.path.samefile(library, get_library_path())):
         raise RuntimeError(

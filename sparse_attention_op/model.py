@@ -19,12 +19,14 @@ from typing import Union
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .bridge import BRIDGE_DOMAIN, KV_CHECKS
+from .bridge import BRIDGE_DOMAIN, BRIDGE_FORMAT, KV_CHECKS
 from .rewrite import NodePlan, expand, shared_initializers
 from .spec import DOMAIN, FLOAT_INPUTS, INPUT_NAMES, OPTIONAL_INPUTS, OP_TYPE, OpAttributes, SparseAttentionError, check_layout
 
 ModelLike = Union[str, os.PathLike, bytes, onnx.ModelProto]
 _INT_INPUTS = [name for name in INPUT_NAMES if name not in FLOAT_INPUTS]
+#: The metadata entry of a prepared model that names its bridge format (bridge.BRIDGE_FORMAT).
+FORMAT_KEY = "sparse_attention_op.bridge_format"
 
 
 def load_model(model: ModelLike) -> onnx.ModelProto:
@@ -55,6 +57,7 @@ def prepare_model(model: ModelLike, *, session_token: str | None = None, kv_chec
     if kv_check not in KV_CHECKS:
         raise ValueError(f"kv_check must be one of {KV_CHECKS}, got {kv_check!r}")
     prepared = load_model(model)
+    check_bridge_format(prepared)
     token = session_token or uuid.uuid4().hex
     main = prepared.graph
     types = tensor_types(prepared)
@@ -81,7 +84,35 @@ def prepare_model(model: ModelLike, *, session_token: str | None = None, kv_chec
         main.initializer.extend(init for init in shared_initializers() + initializers if init.name not in present and init.name in used)
         if not any(op.domain == BRIDGE_DOMAIN for op in prepared.opset_import):
             prepared.opset_import.append(helper.make_opsetid(BRIDGE_DOMAIN, 1))
+        _set_metadata(prepared, FORMAT_KEY, str(BRIDGE_FORMAT))
     return prepared
+
+
+def bridge_format(model: onnx.ModelProto) -> int | None:
+    """The bridge format a prepared model was written for; None for a model without the
+    bridge's ops. Models prepared before the format was recorded are format 1."""
+    if not any(node.domain == BRIDGE_DOMAIN for graph in [model.graph, *_subgraphs(model.graph)] for node in graph.node):
+        return None
+    stamped = {entry.key: entry.value for entry in model.metadata_props}.get(FORMAT_KEY, "1")
+    return int(stamped) if stamped.isdigit() else 0
+
+
+def check_bridge_format(model: onnx.ModelProto) -> None:
+    """Refuse a model prepared for another bridge format: its ops' inputs and outputs are not
+    this version's, and ORT would only say that an op's output count is out of range."""
+    found = bridge_format(model)
+    if found is not None and found != BRIDGE_FORMAT:
+        raise SparseAttentionError(
+            f"the model was prepared by a sparse_attention_op with bridge format {found}; this version runs format "
+            f"{BRIDGE_FORMAT}: prepare the original model (the one with SparseAttention nodes) again")
+
+
+def _set_metadata(model: onnx.ModelProto, key: str, value: str) -> None:
+    for entry in model.metadata_props:
+        if entry.key == key:
+            entry.value = value
+            return
+    model.metadata_props.add(key=key, value=value)
 
 
 def node_attributes(node: onnx.NodeProto) -> dict:

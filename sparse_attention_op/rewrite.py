@@ -108,7 +108,7 @@ def expand(plan: NodePlan) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]
     lengths = [inputs["total_sequence_length"], inputs["key_total_sequence_lengths"]]
 
     shapes = [b.add("Shape", [inputs[name]], f"shape_{name}") for name in SHAPED_INPUTS]
-    # The ticket hands the plan's validated call shape to the two later ops (bridge.tickets).
+    # The ticket hands the plan's validated call shape to the later ops (bridge.tickets).
     probe_rows, positions, layouts, past_rows_shape, split_shape, output_shape, all_history, ticket = b.add(
         PLAN_OP, shapes + lengths,
         ["probe_rows", "positions", "layouts", "past_rows_shape", "split_shape", "output_shape", "all_history_rows", "ticket"],

@@ -3,8 +3,28 @@
 from __future__ import annotations
 
 import ctypes
+import shutil
+import subprocess
+
+import pytest
 
 from sparse_attention_op.benchmarking.clocks import SmClock, median_mhz, sm_clock
+
+#: NVML's three functions with their C signatures (nvml.h), answering for device 0 only.
+STAND_IN_NVML = r"""
+static int started = 0;
+int nvmlInit_v2(void) { started = 1; return 0; }
+int nvmlDeviceGetHandleByIndex_v2(unsigned int index, void **device) {
+  if (!started || index != 0) return 2;
+  *device = (void *)0x1234;
+  return 0;
+}
+int nvmlDeviceGetClockInfo(void *device, int type, unsigned int *clock) {
+  if (device != (void *)0x1234 || type != 1) return 2;  /* NVML_CLOCK_SM of device 0 only */
+  *clock = 1980;
+  return 0;
+}
+"""
 
 
 class FakeNvml:
@@ -51,3 +71,14 @@ def test_without_nvml_the_reader_answers_none():
 def test_median_skips_missing_readings():
     assert median_mhz([None, 345, 1980, 345]) == 345.0
     assert median_mhz([None, None]) is None and median_mhz([]) is None
+
+
+def test_the_ctypes_binding_calls_a_library_with_nvmls_signatures(tmp_path):
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("needs a C compiler to build the stand-in NVML library")
+    (tmp_path / "nvml.c").write_text(STAND_IN_NVML)
+    library = tmp_path / "libstand-in-nvml.so"
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(library), str(tmp_path / "nvml.c")], check=True)
+    clock = sm_clock(str(library))
+    assert clock.available and clock.read() == 1980

@@ -27,7 +27,7 @@ from onnxruntime_extensions import get_library_path
 
 import sparse_attention_op as sao
 from sparse_attention_op import genai as genai_module
-from sparse_attention_op.bridge import BRIDGE_DOMAIN, KV_CHECK_ATTRIBUTE
+from sparse_attention_op.bridge import BRIDGE_DOMAIN, BRIDGE_FORMAT, KV_CHECK_ATTRIBUTE
 from sparse_attention_op.decoder_models import DecoderConfig, write_model_folder
 
 # Three layers, the last a dense GroupQueryAttention one (Phi-3-small's mix); blocks of 16
@@ -326,6 +326,19 @@ def test_load_refuses_a_copied_library(prepared, tmp_path):
         sao.load_genai_model(copied)
     with pytest.raises(FileNotFoundError, match="prepare it with prepare_genai_folder"):
         sao.load_genai_model(prepared.parent / "source")
+
+
+def test_load_refuses_a_folder_of_another_bridge_format(prepared, tmp_path):
+    older = tmp_path / "older"
+    shutil.copytree(prepared, older, copy_function=os.link)  # hard links: only the record differs
+    record_path = older / "sparse_attention_op.json"
+    record = json.loads(record_path.read_text())
+    assert record["bridge_format"] == BRIDGE_FORMAT
+    del record["bridge_format"]  # as folders were written before the format was recorded
+    record_path.unlink()  # a hard link: replace it, do not write through to `prepared`
+    record_path.write_text(json.dumps(record))
+    with pytest.raises(RuntimeError, match="bridge format 1; this version runs format 2: prepare the folder again"):
+        sao.load_genai_model(older)
 
 
 # -- the bundled models ---------------------------------------------------------------------

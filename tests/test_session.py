@@ -11,7 +11,7 @@ import pytest
 import sparse_attention_op as sao
 from helpers import assert_close, assert_matches_reference, graph_feeds, run_in_threads, run_ort_cpu
 from sparse_attention_op.bridge import (
-    BRIDGE_DOMAIN, CHECK_OP, KERNEL_OP, KV_CHECK_ATTRIBUTE, LAYOUT_ATTRIBUTE, NODE_KEY_ATTRIBUTE, PLAN_OP,
+    BRIDGE_DOMAIN, BRIDGE_FORMAT, CHECK_OP, KERNEL_OP, KV_CHECK_ATTRIBUTE, LAYOUT_ATTRIBUTE, NODE_KEY_ATTRIBUTE, PLAN_OP,
 )
 from sparse_attention_op.demo import build_demo_model, reference_step
 from sparse_attention_op.graphs import sparse_attention_model
@@ -68,8 +68,18 @@ def test_exact_nodes_slice_the_history_the_plan_op_names_without_a_check_op(rng)
     assert bridge_nodes(prepared, CHECK_OP) == []
     slices = [n for n in prepared.graph.node if n.op_type == "Slice" and n.input[0] in ("past_key", "past_value")]
     assert len(slices) == 2 and {n.input[2] for n in slices} == {plan.output[-2]}
-    # No probe rows are gathered from the past either.
-    assert not [n for n in prepared.graph.node if n.op_type == "Gather" and n.input[1] == plan.output[0]]
+    # Nothing else reads the past: no probe rows are taken from it.
+    readers = sorted(n.op_type for n in prepared.graph.node for name in ("past_key", "past_value") if name in n.input)
+    assert readers == ["ScatterND", "ScatterND", "Shape", "Shape", "Slice", "Slice"]
+
+
+def test_a_model_prepared_for_another_bridge_format_is_refused(rng):
+    prepared = sao.prepare_model(model_and_inputs(CaseConfig(), rng)[0])
+    assert {e.key: e.value for e in prepared.metadata_props}["sparse_attention_op.bridge_format"] == str(BRIDGE_FORMAT)
+    sao.prepare_model(prepared)  # this version's format: left as it is
+    del prepared.metadata_props[:]  # as models were prepared before the format was recorded
+    with pytest.raises(sao.SparseAttentionError, match="bridge format 1; this version runs format 2: prepare the original model"):
+        sao.create_session(prepared)
 
 
 def test_prepare_model_marks_graph_input_layouts_per_call(rng):
