@@ -17,7 +17,8 @@ Each case is (kv_check, way, capacity, history):
 Per case, medians over --steps steps: the whole ``run``; inside the op, its host time (the
 op's wall time minus its wait for the GPU); the GPU time of its dispatches (timestamps,
 from a second session over the same past, medians over at most 10 steps: timestamps add a
-pass per dispatch and host work, so the timed steps run without them, as a user's do); ORT's CPU kernel on the same shapes and history with shared buffers (``--ort``, on by
+pass per dispatch and host work, so the timed steps run without them, as a user's do);
+ORT's CPU kernel on the same shapes and history with shared buffers (``--ort``, on by
 default); the Identity floor (ORT passing the two cache tensors through Identity, plain run).
 A prefill case reports ``run`` minus the GPU time. The node's host record is reported
 against the cache's bytes. Where NVML is found (NVIDIA GPUs), the GPU's SM clock is read

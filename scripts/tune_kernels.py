@@ -316,10 +316,10 @@ def run_sweep(args) -> int:
                 finally:
                     executor.release("")
                 error = spot_check(inputs, output, attrs["sparse_block_size"], 8, rng)
-                if name not in results or sum(seconds.values()) < sum(results[name][0].values()):
-                    results[name] = (seconds, max(error, results.get(name, ({}, 0.0, None))[1]), mhz)
-                else:
-                    results[name] = (results[name][0], max(error, results[name][1]), results[name][2])
+                kept_seconds, kept_error, kept_mhz = results.get(name, (None, 0.0, None))
+                if kept_seconds is None or sum(seconds.values()) < sum(kept_seconds.values()):
+                    kept_seconds, kept_mhz = seconds, mhz
+                results[name] = (kept_seconds, max(error, kept_error), kept_mhz)  # the worst error of every round
         for name, (seconds, error, mhz) in results.items():
             tolerance = 1e-2 if case.cache == "f16" else 2e-3
             attention = sum(v for k, v in seconds.items() if k != "kv_append")

