@@ -22,6 +22,9 @@ spot-checked against a float64 recomputation of sampled rows (8 of them); a cand
 the tolerance (2e-3, float16 caches 1e-2) is marked FAIL and never chosen as the best.
 "SM MHz" is the GPU's SM clock read (NVML, NVIDIA only) as each timed call ends, the median
 of the kept round: a candidate timed below the boost clock is not comparable with the others.
+With --whole-pass, "one pass ms" is the call timed as the one compute pass untimed calls run
+in (each timed pass costs about 4 us even empty on the H200, which the per-dispatch passes
+count once per dispatch); the ranking stays on the per-dispatch total.
 """
 
 from __future__ import annotations
@@ -241,13 +244,18 @@ def settled_seconds(samples: list[dict]) -> dict:
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def time_candidate(executor, call, case: Case, reps: int, repeats: int, warm_seconds: float, clock) -> tuple[dict, np.ndarray, float | None]:
-    """Settled GPU seconds per dispatch over reps calls, the output of a plain call, and the
-    median SM clock (MHz, None without NVML) read as each timed call ended.
+def time_candidate(executor, call, case: Case, reps: int, repeats: int, warm_seconds: float, clock,
+                   whole_pass: bool = False) -> tuple[dict, np.ndarray, float | None, float | None]:
+    """Settled GPU seconds per dispatch over reps calls, the output of a plain call, the
+    median SM clock (MHz, None without NVML) read as each timed call ended, and with
+    ``whole_pass`` the median GPU seconds of one call timed as the one pass it runs in.
 
     A plain call first (it compiles and allocates, and its output is what gets checked);
     then the dispatch list repeats enough times for about SETTLE_SECONDS of GPU work per
-    call (at least ``repeats``), after a warmer of ``warm_seconds`` (none on CPU adapters)."""
+    call (at least ``repeats``), after a warmer of ``warm_seconds`` (none on CPU adapters).
+    The whole-pass timing runs the warmer as a call of its own, then the repetitions as one
+    timed pass (a timed pass costs about 4 us even empty on the H200: per-dispatch times
+    count that once per dispatch, a call's one pass once)."""
     settings = ExecutionSettings(profile=True)
     node = f"tune/{case.label}"
     result = executor.run(call, node, settings)
@@ -264,7 +272,18 @@ def time_candidate(executor, call, case: Case, reps: int, repeats: int, warm_sec
         for _ in range(reps):
             samples.append(executor.run(call, node, settings).stats.gpu_seconds)
             clocks.append(clock.read())  # the SM clock as the call's repetitions end
-    return settled_seconds(samples), output, median_mhz(clocks)
+    one_pass = None
+    if whole_pass:
+        whole = ExecutionSettings(profile=True, profile_whole_pass=True)
+        passes = []
+        for _ in range(reps):
+            if warm:
+                with RepeatedDispatches(executor, node, 0, warm):  # the warmer alone
+                    executor.run(call, node, settings)
+            with RepeatedDispatches(executor, node, repeats, 0):
+                passes.append(executor.run(call, node, whole).stats.gpu_seconds["pass"] / repeats)
+        one_pass = statistics.median(passes)
+    return settled_seconds(samples), output, median_mhz(clocks), one_pass
 
 
 def _rate(per_second: float, unit: str) -> str:
@@ -288,8 +307,9 @@ def run_sweep(args) -> int:
     # A CPU adapter has no clocks to bring up, and the warmer would take minutes there.
     warm_seconds = 0.0 if args.quick or context.adapter_type == "CPU" else args.warm_seconds
     clock = sm_clock()
-    print("| case | candidate | passes (GPU ms) | attention ms | total ms | rate | max err | SM MHz |")
-    print("|---|---|---|---|---|---|---|---|")
+    whole = " one pass ms |" if args.whole_pass else ""
+    print(f"| case | candidate | passes (GPU ms) | attention ms | total ms |{whole} rate | max err | SM MHz |")
+    print("|---|---|---|---|---|---|---|---|" + ("---|" if args.whole_pass else ""))
     best: dict[str, tuple[float, str]] = {}
     started = time.perf_counter()
     for case in cases:
@@ -307,27 +327,29 @@ def run_sweep(args) -> int:
         # and 12.5 ms at prefill 8192 in one sweep, the first of a case being slow): every
         # candidate is timed in each of `rounds` round-robin passes, and the least counts.
         rounds = args.rounds
-        results: dict[str, tuple[dict, float, float | None]] = {}  # seconds, error, SM MHz of the kept round
+        results: dict[str, tuple[dict, float, float | None, float | None]] = {}  # seconds, error, SM MHz, one pass: the kept round
         for _ in range(rounds):
             for name, fields in candidates:
                 executor = WebGPUExecutor(context, dataclasses.replace(base, **fields))
                 try:
-                    seconds, output, mhz = time_candidate(executor, call, case, args.reps, args.repeats, warm_seconds, clock)
+                    seconds, output, mhz, one_pass = time_candidate(executor, call, case, args.reps, args.repeats, warm_seconds, clock,
+                                                                    args.whole_pass)
                 finally:
                     executor.release("")
                 error = spot_check(inputs, output, attrs["sparse_block_size"], 8, rng)
-                kept_seconds, kept_error, kept_mhz = results.get(name, (None, 0.0, None))
+                kept_seconds, kept_error, kept_mhz, kept_pass = results.get(name, (None, 0.0, None, None))
                 if kept_seconds is None or sum(seconds.values()) < sum(kept_seconds.values()):
-                    kept_seconds, kept_mhz = seconds, mhz
-                results[name] = (kept_seconds, max(error, kept_error), kept_mhz)  # the worst error of every round
-        for name, (seconds, error, mhz) in results.items():
+                    kept_seconds, kept_mhz, kept_pass = seconds, mhz, one_pass
+                results[name] = (kept_seconds, max(error, kept_error), kept_mhz, kept_pass)  # the worst error of every round
+        for name, (seconds, error, mhz, one_pass) in results.items():
             tolerance = 1e-2 if case.cache == "f16" else 2e-3
             attention = sum(v for k, v in seconds.items() if k != "kv_append")
             total = sum(seconds.values())
             rate = _rate(work / attention, "FLOP/s" if case.kind == "prefill" else "B/s")
             passes = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in seconds.items())
             ok = error <= tolerance
-            print(f"| {case.label} | {name} | {passes} | {attention * 1e3:.3f} | {total * 1e3:.3f} | {rate} | "
+            whole = f" {one_pass * 1e3:.3f} |" if args.whole_pass else ""
+            print(f"| {case.label} | {name} | {passes} | {attention * 1e3:.3f} | {total * 1e3:.3f} |{whole} {rate} | "
                   f"{error:.1e}{'' if ok else ' FAIL'} | {'-' if mhz is None else f'{mhz:.0f}'} |", flush=True)
             if ok and (case.label not in best or total < best[case.label][0]):
                 best[case.label] = (total, name)
@@ -417,6 +439,8 @@ def main() -> int:
     parser.add_argument("--warm-seconds", type=float, default=WARM_SECONDS,
                         help="GPU seconds of the warmer before each timed call (default %(default)s; see WARM_SECONDS; "
                              "none with --quick or on CPU adapters)")
+    parser.add_argument("--whole-pass", action="store_true",
+                        help="also time each call as the one pass it runs in ('one pass ms'; see time_candidate)")
     parser.add_argument("--lavapipe-check", action="store_true", help="sparse prefill vs numpy dense causal attention")
     parser.add_argument("--check-len", type=int, default=2048)
     parser.add_argument("--check-local-blocks", type=int, default=2, help="2: about 20%% of the causal pairs at 2048")

@@ -89,6 +89,10 @@ def test_profiled_calls_time_every_dispatch_and_keep_their_results(executor, rng
         stats = run_executor.last_stats
         assert list(stats.gpu_seconds) == [launch.label for launch in launches]
         assert all(seconds > 0 for seconds in stats.gpu_seconds.values())
+        # The whole call timed as the one pass it records: one time, the same results.
+        outputs = run_executor(executor, inputs, config.node_attributes(), "profiled", profile=True, profile_whole_pass=True)
+        assert_matches_reference(outputs, inputs, config.node_attributes(), what=f"{config}, one timed pass")
+        assert list(run_executor.last_stats.gpu_seconds) == ["pass"] and run_executor.last_stats.gpu_seconds["pass"] > 0
 
 
 def test_an_abandoned_recording_reports_its_own_fault_and_frees_its_temporaries(executor, monkeypatch):

@@ -46,6 +46,11 @@ class ExecutionSettings:
 
     #: Time every dispatch with GPU timestamps (where the adapter has them): CallStats.gpu_seconds.
     profile: bool = False
+    #: With ``profile``, time the call's dispatches as the one pass that untimed calls record
+    #: (CallStats.gpu_seconds == {"pass": seconds}) instead of one timed pass per dispatch:
+    #: each timed pass costs the H200 about 4 us even empty (BENCHMARKS.md, 2026-12-02 fourth),
+    #: which per-dispatch times count once per dispatch.
+    profile_whole_pass: bool = False
     #: Keep float16-storage nodes' caches as f16 on adapters with shader-f16 (measured
     #: faster, BENCHMARKS.md); lossless there, since every cached value is an f16 value.
     f16_cache: bool = True
@@ -379,10 +384,11 @@ class WebGPUExecutor:
         try:
             upload.encode(device, commands, self._scratch, inputs, self.tuning.map_spin_seconds)
             if timed:
-                query_set, resolved = self._timestamps_for(2 * len(launches))
-                commands.compute_pass(launches, query_set)
-                commands.resolve_query_set(query_set, 2 * len(launches), resolved)
-                ticks = np.zeros(2 * len(launches), np.uint64)
+                passes = [launches] if settings.profile_whole_pass else [[launch] for launch in launches]
+                query_set, resolved = self._timestamps_for(2 * len(passes))
+                commands.timed_passes(passes, query_set)
+                commands.resolve_query_set(query_set, 2 * len(passes), resolved)
+                ticks = np.zeros(2 * len(passes), np.uint64)
                 download.add(ticks, BufferRange(resolved))
             else:
                 commands.compute_pass(launches)
@@ -411,7 +417,8 @@ class WebGPUExecutor:
         stats.phases = phases
         if ticks is not None:
             seconds = (ticks[1::2].astype(np.float64) - ticks[0::2]) * 1e-9  # WebGPU timestamps are ns
-            stats.gpu_seconds = {launch.label: float(s) for launch, s in zip(launches, seconds)}
+            labels = ["pass"] if settings.profile_whole_pass else [launch.label for launch in launches]
+            stats.gpu_seconds = {label: float(s) for label, s in zip(labels, seconds)}
         return CallResult(output, new_key, stats)
 
     def _launches(self, state: NodeState, shape: CallShape, dispatch_key: tuple, cache_format, resources: dict) -> list[Launch]:

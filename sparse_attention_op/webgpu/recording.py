@@ -19,8 +19,8 @@ Both offer what a call records:
 * ``compute_pass(launches)``: set pipeline, bind group 0 and dispatch, per launch;
 * ``submit()``, and ``release()`` (idempotent) for a recording abandoned on an error.
 
-Timing adds ``compute_pass(launches, query_set)`` and ``resolve_query_set``, on
-:class:`WgpuPyRecording` only.
+Timing adds ``timed_passes(passes, query_set)`` (a timed pass per list of launches: one per
+dispatch, or the call's one pass) and ``resolve_query_set``, on :class:`WgpuPyRecording` only.
 """
 
 from __future__ import annotations
@@ -110,11 +110,13 @@ class WgpuPyRecording:
     def copy_buffer_to_buffer(self, source, source_offset: int, destination, destination_offset: int, size: int) -> None:
         self._encoder.copy_buffer_to_buffer(source, source_offset, destination, destination_offset, size)
 
-    def compute_pass(self, launches, query_set=None) -> None:
-        """One pass; with a ``query_set``, one pass per launch that writes its start and end
-        timestamps at indices 2i and 2i+1 instead."""
-        groups = [launches] if query_set is None else [[launch] for launch in launches]
-        for index, recorded in enumerate(groups):
+    def compute_pass(self, launches) -> None:
+        self.timed_passes([launches])
+
+    def timed_passes(self, passes, query_set=None) -> None:
+        """One compute pass per list of launches; with a ``query_set``, pass i writes its start
+        and end timestamps at indices 2i and 2i+1."""
+        for index, recorded in enumerate(passes):
             writes = None if query_set is None else {
                 "query_set": query_set, "beginning_of_pass_write_index": 2 * index, "end_of_pass_write_index": 2 * index + 1}
             compute = self._encoder.begin_compute_pass(timestamp_writes=writes)

@@ -212,6 +212,10 @@ class Tuning:
     decode_lanes_per_key: int = 8
     #: Each lane group scores 2 keys per tile: more loads in flight per invocation.
     #: H200: 1 and 4 keys slower in every sweep (4: a 128-key tile outgrows the slices).
+    #: Tried and not kept (2026-12-02): lane groups that own their keys whole (subgroup
+    #: shuffles for the dot products, a softmax per group, no barrier in the key loop) timed
+    #: the same as these two-barrier tiles (split pass 0.022 ms at history 8191, 0.138 at
+    #: 131000), so the barriers are not what bounds the pass.
     decode_keys_per_group: int = 2
     #: Workgroups to aim for across the call (splits = this / (batch*heads*queries)).
     #: H200, decode at history 8191 (32 heads): 256 (8 slices of ~240 keys, two

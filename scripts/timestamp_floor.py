@@ -1,0 +1,80 @@
+#!/usr/bin/env python3
+"""What a timed compute pass costs with nothing in it: the floor under every pass time.
+
+    python scripts/timestamp_floor.py
+
+tune_kernels.py and the executor's profile time each dispatch in a compute pass of its own,
+between the pass's start and end timestamps. This script times an empty dispatch (256
+invocations a workgroup, 1 to 4096 workgroups) the same way, 64 passes in one submission
+after a dispatch that keeps the GPU busy long enough for its clocks to rise, and prints the
+median and least of the later 32. A call of two dispatches timed per dispatch counts this
+floor twice; timed as the one pass it runs in (tune_kernels.py --whole-pass), once.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import wgpu
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from sparse_attention_op.benchmarking.clocks import sm_clock  # noqa: E402
+from sparse_attention_op.webgpu.device import get_context  # noqa: E402
+
+PASSES = 64
+EMPTY = """@group(0) @binding(0) var<storage, read_write> data: array<f32>;
+@compute @workgroup_size(256)
+fn main(@builtin(global_invocation_id) id: vec3<u32>) {
+  if (id.x == 0xffffffffu) { data[0] = 1.0; }  // never true: the dispatch does nothing
+}"""
+#: An FMA chain per invocation: about a second of GPU work on lavapipe, milliseconds on a GPU.
+WARMER = """@group(0) @binding(0) var<storage, read_write> data: array<f32>;
+@compute @workgroup_size(256)
+fn main(@builtin(global_invocation_id) id: vec3<u32>) {
+  var x = f32(id.x);
+  for (var i = 0u; i < 200000u; i = i + 1u) { x = x * 0.999 + 1.0; }
+  data[id.x % 1000000u] = x;
+}"""
+
+
+def main() -> int:
+    context = get_context()
+    if "timestamp-query" not in context.features:
+        print("this adapter has no timestamp queries", file=sys.stderr)
+        return 2
+    device = context.device
+    data = device.create_buffer(size=4 << 20, usage=wgpu.BufferUsage.STORAGE)
+    pipelines = {}
+    for name, code in (("empty", EMPTY), ("warmer", WARMER)):
+        pipeline = device.create_compute_pipeline(layout="auto", compute={"module": device.create_shader_module(code=code), "entry_point": "main"})
+        group = device.create_bind_group(layout=pipeline.get_bind_group_layout(0), entries=[{"binding": 0, "resource": {"buffer": data}}])
+        pipelines[name] = (pipeline, group)
+    query_set = device.create_query_set(type=wgpu.QueryType.timestamp, count=2 * PASSES)
+    resolved = device.create_buffer(size=16 * PASSES, usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC)
+    clock = sm_clock()
+    print(f"# {context.description}\n\n| workgroups | median us | least us | SM MHz |\n|---|---|---|---|")
+    for workgroups in (1, 32, 256, 4096):
+        encoder = device.create_command_encoder()
+        passes = [("warmer", 4096, None)] + [("empty", workgroups, i) for i in range(PASSES)]
+        for name, count, index in passes:
+            writes = None if index is None else {"query_set": query_set, "beginning_of_pass_write_index": 2 * index,
+                                                 "end_of_pass_write_index": 2 * index + 1}
+            compute = encoder.begin_compute_pass(timestamp_writes=writes)
+            pipeline, group = pipelines[name]
+            compute.set_pipeline(pipeline)
+            compute.set_bind_group(0, group)
+            compute.dispatch_workgroups(count)
+            compute.end()
+        encoder.resolve_query_set(query_set, 0, 2 * PASSES, resolved, 0)
+        device.queue.submit([encoder.finish()])
+        ticks = np.frombuffer(device.queue.read_buffer(resolved), np.uint64).astype(np.float64)
+        micros = (ticks[1::2] - ticks[0::2])[PASSES // 2 :] * 1e-3  # timestamps are ns
+        mhz = clock.read()
+        print(f"| {workgroups} | {np.median(micros):.2f} | {micros.min():.2f} | {'-' if mhz is None else mhz} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
