@@ -3,12 +3,13 @@
 
     python scripts/timestamp_floor.py
 
-tune_kernels.py and the executor's profile time each dispatch in a compute pass of its own,
-between the pass's start and end timestamps. This script times an empty dispatch (256
+tune_kernels.py and the executor's profile time each dispatch in a compute pass of its own
+(unless ``profile_whole_pass``), between the pass's start and end timestamps. This script times an empty dispatch (256
 invocations a workgroup, 1 to 4096 workgroups) the same way, 64 passes in one submission
 after a dispatch that keeps the GPU busy long enough for its clocks to rise, and prints the
 median and least of the later 32. A call of two dispatches timed per dispatch counts this
-floor twice; timed as the one pass it runs in (tune_kernels.py --whole-pass), once.
+floor twice; repeated back to back in one timed pass (tune_kernels.py --whole-pass), once
+over all the repetitions.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ EMPTY = """@group(0) @binding(0) var<storage, read_write> data: array<f32>;
 fn main(@builtin(global_invocation_id) id: vec3<u32>) {
   if (id.x == 0xffffffffu) { data[0] = 1.0; }  // never true: the dispatch does nothing
 }"""
-#: An FMA chain per invocation: about a second of GPU work on lavapipe, milliseconds on a GPU.
+#: An FMA chain per invocation: milliseconds on a GPU (tens of seconds on lavapipe).
 WARMER = """@group(0) @binding(0) var<storage, read_write> data: array<f32>;
 @compute @workgroup_size(256)
 fn main(@builtin(global_invocation_id) id: vec3<u32>) {

@@ -22,9 +22,10 @@ spot-checked against a float64 recomputation of sampled rows (8 of them); a cand
 the tolerance (2e-3, float16 caches 1e-2) is marked FAIL and never chosen as the best.
 "SM MHz" is the GPU's SM clock read (NVML, NVIDIA only) as each timed call ends, the median
 of the kept round: a candidate timed below the boost clock is not comparable with the others.
-With --whole-pass, "one pass ms" is the call timed as the one compute pass untimed calls run
-in (each timed pass costs about 4 us even empty on the H200, which the per-dispatch passes
-count once per dispatch); the ranking stays on the per-dispatch total.
+With --whole-pass, "one pass ms" is the time per call of the call's dispatches repeated back
+to back in one timed compute pass, as untimed calls record them (each timed pass costs about
+4 us even empty on the H200: the per-dispatch passes count it once per dispatch, the one pass
+spreads it over the repetitions); the ranking stays on the per-dispatch total.
 """
 
 from __future__ import annotations
@@ -248,14 +249,15 @@ def time_candidate(executor, call, case: Case, reps: int, repeats: int, warm_sec
                    whole_pass: bool = False) -> tuple[dict, np.ndarray, float | None, float | None]:
     """Settled GPU seconds per dispatch over reps calls, the output of a plain call, the
     median SM clock (MHz, None without NVML) read as each timed call ended, and with
-    ``whole_pass`` the median GPU seconds of one call timed as the one pass it runs in.
+    ``whole_pass`` the median GPU seconds per call of the repetitions timed as one pass.
 
     A plain call first (it compiles and allocates, and its output is what gets checked);
     then the dispatch list repeats enough times for about SETTLE_SECONDS of GPU work per
     call (at least ``repeats``), after a warmer of ``warm_seconds`` (none on CPU adapters).
-    The whole-pass timing runs the warmer as a call of its own, then the repetitions as one
-    timed pass (a timed pass costs about 4 us even empty on the H200: per-dispatch times
-    count that once per dispatch, a call's one pass once)."""
+    The whole-pass timing runs the warmer as a call of its own (host work then separates it
+    from the timed pass), then the repetitions as one timed pass: a timed pass costs about
+    4 us even empty on the H200, which per-dispatch times count once per dispatch and the one
+    pass spreads over the repetitions."""
     settings = ExecutionSettings(profile=True)
     node = f"tune/{case.label}"
     result = executor.run(call, node, settings)
@@ -440,7 +442,7 @@ def main() -> int:
                         help="GPU seconds of the warmer before each timed call (default %(default)s; see WARM_SECONDS; "
                              "none with --quick or on CPU adapters)")
     parser.add_argument("--whole-pass", action="store_true",
-                        help="also time each call as the one pass it runs in ('one pass ms'; see time_candidate)")
+                        help="also time the call's dispatches repeated in one pass ('one pass ms'; see time_candidate)")
     parser.add_argument("--lavapipe-check", action="store_true", help="sparse prefill vs numpy dense causal attention")
     parser.add_argument("--check-len", type=int, default=2048)
     parser.add_argument("--check-local-blocks", type=int, default=2, help="2: about 20%% of the causal pairs at 2048")

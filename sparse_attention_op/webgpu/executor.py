@@ -49,7 +49,7 @@ class ExecutionSettings:
     #: With ``profile``, time the call's dispatches as the one pass that untimed calls record
     #: (CallStats.gpu_seconds == {"pass": seconds}) instead of one timed pass per dispatch:
     #: each timed pass costs the H200 about 4 us even empty (BENCHMARKS.md, 2026-12-02 fourth),
-    #: which per-dispatch times count once per dispatch.
+    #: which per-dispatch times count once per dispatch. Without ``profile`` it does nothing.
     profile_whole_pass: bool = False
     #: Keep float16-storage nodes' caches as f16 on adapters with shader-f16 (measured
     #: faster, BENCHMARKS.md); lossless there, since every cached value is an f16 value.
