@@ -23,6 +23,8 @@ import wgpu
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sparse_attention_op.benchmarking.clocks import sm_clock  # noqa: E402
 from sparse_attention_op.webgpu.device import get_context  # noqa: E402
+from sparse_attention_op.webgpu.executor import Launch  # noqa: E402
+from sparse_attention_op.webgpu.recording import WgpuPyRecording  # noqa: E402
 
 PASSES = 64
 EMPTY = """@group(0) @binding(0) var<storage, read_write> data: array<f32>;
@@ -52,26 +54,21 @@ def main() -> int:
         pipeline = device.create_compute_pipeline(layout="auto", compute={"module": device.create_shader_module(code=code), "entry_point": "main"})
         group = device.create_bind_group(layout=pipeline.get_bind_group_layout(0), entries=[{"binding": 0, "resource": {"buffer": data}}])
         pipelines[name] = (pipeline, group)
-    query_set = device.create_query_set(type=wgpu.QueryType.timestamp, count=2 * PASSES)
-    resolved = device.create_buffer(size=16 * PASSES, usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC)
+    query_set = device.create_query_set(type=wgpu.QueryType.timestamp, count=2 * (PASSES + 1))
+    resolved = device.create_buffer(size=16 * (PASSES + 1), usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC)
     clock = sm_clock()
     print(f"# {context.description}\n\n| workgroups | median us | least us | SM MHz |\n|---|---|---|---|")
     for workgroups in (1, 32, 256, 4096):
-        encoder = device.create_command_encoder()
-        passes = [("warmer", 4096, None)] + [("empty", workgroups, i) for i in range(PASSES)]
-        for name, count, index in passes:
-            writes = None if index is None else {"query_set": query_set, "beginning_of_pass_write_index": 2 * index,
-                                                 "end_of_pass_write_index": 2 * index + 1}
-            compute = encoder.begin_compute_pass(timestamp_writes=writes)
-            pipeline, group = pipelines[name]
-            compute.set_pipeline(pipeline)
-            compute.set_bind_group(0, group)
-            compute.dispatch_workgroups(count)
-            compute.end()
-        encoder.resolve_query_set(query_set, 0, 2 * PASSES, resolved, 0)
-        device.queue.submit([encoder.finish()])
+        # The executor's own timed recording (one timed pass per list of launches); the
+        # warmer's pass is timed too, and dropped.
+        commands = WgpuPyRecording(device)
+        warmer = Launch("warmer", *pipelines["warmer"], (4096, 1, 1))
+        empty = Launch("empty", *pipelines["empty"], (workgroups, 1, 1))
+        commands.timed_passes([[warmer]] + [[empty]] * PASSES, query_set)
+        commands.resolve_query_set(query_set, 2 * (PASSES + 1), resolved)
+        commands.submit()
         ticks = np.frombuffer(device.queue.read_buffer(resolved), np.uint64).astype(np.float64)
-        micros = (ticks[1::2] - ticks[0::2])[PASSES // 2 :] * 1e-3  # timestamps are ns
+        micros = (ticks[3::2] - ticks[2::2])[PASSES // 2 :] * 1e-3  # timestamps are ns; pass 0 is the warmer
         mhz = clock.read()
         print(f"| {workgroups} | {np.median(micros):.2f} | {micros.min():.2f} | {'-' if mhz is None else mhz} |")
     return 0

@@ -384,7 +384,10 @@ class WebGPUExecutor:
         try:
             upload.encode(device, commands, self._scratch, inputs, self.tuning.map_spin_seconds)
             if timed:
-                passes = [launches] if settings.profile_whole_pass else [[launch] for launch in launches]
+                if settings.profile_whole_pass:
+                    passes, labels = [launches], ["pass"]
+                else:
+                    passes, labels = [[launch] for launch in launches], [launch.label for launch in launches]
                 query_set, resolved = self._timestamps_for(2 * len(passes))
                 commands.timed_passes(passes, query_set)
                 commands.resolve_query_set(query_set, 2 * len(passes), resolved)
@@ -417,7 +420,6 @@ class WebGPUExecutor:
         stats.phases = phases
         if ticks is not None:
             seconds = (ticks[1::2].astype(np.float64) - ticks[0::2]) * 1e-9  # WebGPU timestamps are ns
-            labels = ["pass"] if settings.profile_whole_pass else [launch.label for launch in launches]
             stats.gpu_seconds = {label: float(s) for label, s in zip(labels, seconds)}
         return CallResult(output, new_key, stats)
 
