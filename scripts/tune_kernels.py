@@ -76,6 +76,7 @@ PREFILL_CANDIDATES = [
     ("simple pass", SIMPLE_PASS),
     ("tiled", tiled()),
     ("no prefetch", tiled(prefill_prefetch=False)),
+    ("dot scores", tiled(prefill_fma_scores=False)),
     ("depth 4", tiled(prefill_depth_chunk=4)),
     ("depth 16", tiled(prefill_depth_chunk=16, prefill_value_chunk=16)),
     ("vchunk 16", tiled(prefill_value_chunk=16)),
@@ -115,6 +116,7 @@ DECODE_CANDIDATES = [
     ("merge wg 64", dict(merge_workgroup=64)),
     ("append pass", dict(decode_fused_append=False)),
     ("fused append", dict(decode_fused_append=True)),
+    ("merge pass", dict(decode_split_merges=False)),
 ]
 
 

@@ -24,12 +24,19 @@ ROUTES = {
     TILED: dict(SMALL_TILES),
     "tiled-default": dict(prefill_min_queries=2, decode_max_queries=1, prefill_pass=TILED),
     "tiled-no-prefetch": dict(SMALL_TILES, prefill_prefetch=False),
-    SPLIT: dict(decode_max_queries=4096, decode_target_workgroups=4096, decode_min_keys_per_split=3, decode_fused_append=True),
-    "split-unfused": dict(decode_max_queries=4096, decode_target_workgroups=4096, decode_min_keys_per_split=3, decode_fused_append=False),
+    "tiled-dot-scores": dict(SMALL_TILES, prefill_fma_scores=False),
+    SPLIT: dict(decode_max_queries=4096, decode_target_workgroups=4096, decode_min_keys_per_split=3, decode_fused_append=True,
+                decode_split_merges=True),
+    "split-unfused": dict(decode_max_queries=4096, decode_target_workgroups=4096, decode_min_keys_per_split=3, decode_fused_append=False,
+                          decode_split_merges=True),
+    # The merge as a pass of its own (by default the split pass's last slices merge).
+    "split-merge-pass": dict(decode_max_queries=4096, decode_target_workgroups=4096, decode_min_keys_per_split=3, decode_fused_append=True,
+                             decode_split_merges=False),
     # One slice per query in small tiles (64 invocations: 32 keys a tile at head size 16), so
     # a slice walks several tiles; fused, so only the tile that holds this call's own rows may
     # take the readers of the inputs (CPU adapters' own tuning does not fuse).
-    "split-tiles": dict(decode_max_queries=4096, decode_target_workgroups=1, decode_workgroup=64, decode_fused_append=True),
+    "split-tiles": dict(decode_max_queries=4096, decode_target_workgroups=1, decode_workgroup=64, decode_fused_append=True,
+                        decode_split_merges=True),
     ROWS: dict(prefill_pass=ROWS, rows_lanes=8, rows_query_regs=2, prefill_min_queries=1, decode_max_queries=0),
     SIMPLE: dict(decode_max_queries=0, prefill_min_queries=1 << 30),
 }
@@ -68,7 +75,7 @@ def decode_route(route) -> str:
     return SPLIT if route.startswith((TILED, SPLIT)) else route
 
 
-@pytest.mark.parametrize("route", [TILED, "tiled-default", "tiled-no-prefetch", ROWS, SIMPLE])
+@pytest.mark.parametrize("route", [TILED, "tiled-default", "tiled-no-prefetch", "tiled-dot-scores", ROWS, SIMPLE])
 @pytest.mark.parametrize("seq_len", [16, 37, 70])
 def test_prompt_tiles_cross_block_rows_and_the_diagonal(executor, rng, route, seq_len):
     # Blocks of 32 with tiles of 16: two query tiles per block row, key tiles inside and
@@ -149,7 +156,7 @@ def test_rows_with_no_visible_key_average_their_history(executor, rng, route):
     check(runner, config, rng, expect, inputs=no_reachable_block_inputs(config, rng))
 
 
-@pytest.mark.parametrize("route", [SPLIT, "split-unfused", "split-tiles"])
+@pytest.mark.parametrize("route", [SPLIT, "split-unfused", "split-tiles", "split-merge-pass"])
 def test_decode_with_no_visible_key(executor, rng, route):
     runner, _ = forced(executor, route)
     config = CaseConfig(seq_len=1, past_lengths=(19,), max_cache_len=32, sparse_block_size=8, num_layout=2)
@@ -157,7 +164,7 @@ def test_decode_with_no_visible_key(executor, rng, route):
     check(runner, config, rng, SPLIT, inputs=inputs)
 
 
-@pytest.mark.parametrize("route", [TILED, ROWS, SPLIT, "split-unfused", "split-tiles"])
+@pytest.mark.parametrize("route", [TILED, ROWS, SPLIT, "split-unfused", "split-tiles", "split-merge-pass"])
 def test_f16_cache(executor, rng, route):
     if "shader-f16" not in executor.context.features:
         pytest.fail("the f16 cache needs an adapter with shader-f16 (lavapipe has it)")
@@ -177,10 +184,12 @@ def test_rotary_queries(executor, rng, route, rotary):
     check(runner, config, rng, expect)
 
 
-def test_split_k_with_more_slices_than_keys(executor, rng):
+@pytest.mark.parametrize("merges", [True, False], ids=["last-slice-merges", "merge-pass"])
+def test_split_k_with_more_slices_than_keys(executor, rng, merges):
     # Up to 64 slices of one key each, for queries that see from 1 to 20 keys: most slices
-    # are empty and must drop out of the merge.
-    runner = executor_for(executor, dict(decode_max_queries=16, decode_target_workgroups=1 << 20, decode_min_keys_per_split=1))
+    # are empty and must drop out of the merge (41 slices count themselves in per query).
+    runner = executor_for(executor, dict(decode_max_queries=16, decode_target_workgroups=1 << 20, decode_min_keys_per_split=1,
+                                         decode_split_merges=merges))
     config = CaseConfig(batch=3, seq_len=1, past_lengths=(0, 7, 40), max_cache_len=48, sparse_block_size=8, local_blocks=1, vert_stride=4)
     inputs = random_inputs(config, rng)
     shape = build_call(inputs, OpAttributes.from_mapping(config.node_attributes())).shape
@@ -188,7 +197,7 @@ def test_split_k_with_more_slices_than_keys(executor, rng):
     check(runner, config, rng, SPLIT, inputs=inputs)
 
 
-@pytest.mark.parametrize("route", [SPLIT, "split-unfused", "split-tiles"])
+@pytest.mark.parametrize("route", [SPLIT, "split-unfused", "split-tiles", "split-merge-pass"])
 @pytest.mark.parametrize("past", [(0, 5, 40, 63), (63, 0, 17, 1)])
 def test_split_k_ragged_batch(executor, rng, past, route):
     runner, _ = forced(executor, route)
@@ -203,7 +212,7 @@ def test_padded_prompt_rows_of_different_lengths(executor, rng, route):
     check(runner, config, rng, expect)
 
 
-@pytest.mark.parametrize("route", [SPLIT, "split-unfused", "split-tiles"])
+@pytest.mark.parametrize("route", [SPLIT, "split-unfused", "split-tiles", "split-merge-pass"])
 def test_split_k_short_chunk_decode_chain(executor, rng, route):
     # Chunks of 3 and single steps through split-K, the presents fed back each time.
     runner, _ = forced(executor, route)
@@ -217,11 +226,16 @@ def test_split_k_short_chunk_decode_chain(executor, rng, route):
 
 
 @pytest.mark.parametrize("fields, passes", [
-    (dict(decode_fused_append=True), ["attention_split", "attention_merge"]),
-    (dict(decode_fused_append=False), ["kv_append", "attention_split", "attention_merge"]),
-    (dict(max_storage_buffers=10), ["kv_append", "attention_split", "attention_merge"]),  # rotary's passes need 11
+    (dict(decode_fused_append=True), ["attention_split"]),
+    (dict(decode_fused_append=False), ["kv_append", "attention_split"]),
+    (dict(decode_split_merges=False), ["attention_split", "attention_merge"]),
+    # Rotary and packed: a split pass that merges and writes the rows binds 14 buffers, one
+    # that merges only 11, the fused passes without it 11 each.
+    (dict(max_storage_buffers=13), ["attention_split", "attention_merge"]),
+    (dict(max_storage_buffers=11), ["attention_split", "attention_merge"]),
+    (dict(max_storage_buffers=10), ["kv_append", "attention_split", "attention_merge"]),
 ])
-def test_decode_writes_its_new_rows_in_the_merge_pass_where_it_can(executor, rng, fields, passes):
+def test_decode_passes_are_as_few_as_the_adapter_binds(executor, rng, fields, passes):
     runner = executor_for(executor, dict(ROUTES[SPLIT], **fields))
     config = CaseConfig(batch=2, seq_len=1, past_lengths=(9, 30), max_cache_len=40, do_rotary=True, packed=True)
     outputs = check(runner, config, rng, SPLIT, node_key="fused")

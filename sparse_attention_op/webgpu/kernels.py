@@ -233,6 +233,7 @@ def prefill_tiled(shape: CallShape, tiling: PrefillTiling, cache: CacheFormat, r
             ("probs_row", tiling.probs_row_vec4),
             ("stage_vec4", tiling.stage_vec4),
             ("prefetch", tiling.prefetch),
+            ("fma_scores", tiling.fma_scores),
         ),
     )
     workgroups = (shape.attributes.num_heads, _tiled_rows(shape, tiling.query_tile), shape.batch_size)
@@ -254,14 +255,23 @@ def prefill_rows(shape: CallShape, tuning: Tuning, cache: CacheFormat, resources
 
 
 def decode_split(shape: CallShape, split: DecodeSplit, splits: int, cache: CacheFormat, resources: Mapping[str, BufferRange],
-                 fused_append: bool = False) -> Dispatch:
+                 fused_append: bool = False, merges: bool = False, max_splits: int = 0) -> Dispatch:
     """One workgroup per (slice, query, head, batch row): a partial softmax per slice.
-    With ``fused_append`` it reads the call's own rows from the inputs (decode_merge writes them)."""
+    With ``fused_append`` it reads the call's own rows from the inputs (decode_merge writes them).
+    With ``merges`` each query's last slice to finish merges the slices into the output
+    (and writes the call's rows, with ``fused_append``): no decode_merge pass follows."""
     rotary_constants, rotary_bindings = _rotary(shape)
-    bindings = _attention_reads("query", cache) + (
+    bindings = _attention_reads("query", cache)
+    if merges and fused_append:  # the last slices write the call's rows into the cache
+        bindings = tuple(Binding(b.name, b.element, writable=True) if b.name.endswith("_cache") else b for b in bindings)
+    bindings += (
         Binding("partial_acc", VEC4, writable=True),
         Binding("partial_stats", "vec2<f32>", writable=True),
     ) + (_NEW_ROW_SOURCES if fused_append else ()) + rotary_bindings
+    if merges:
+        bindings += (Binding("output", VEC4, writable=True), Binding("slice_counts", "atomic<u32>", writable=True))
+        if fused_append and shape.attributes.do_rotary:
+            bindings += (Binding("new_key", VEC4, writable=True),)
     uniforms = dict(_layout_uniforms(shape, cache), query_row_vec=shape.query_hidden // 4, rotary_half=shape.rotary_dim // 2,
                     scale=shape.scale, splits=splits, **(_new_row_uniforms(shape) if fused_append else {}))
     program = Program(
@@ -275,6 +285,8 @@ def decode_split(shape: CallShape, split: DecodeSplit, splits: int, cache: Cache
             ("lanes_per_key", split.lanes_per_key),
             ("keys_per_group", split.keys_per_group),
             ("fused_append", fused_append),
+            ("merges", merges),
+            ("max_splits", max_splits),
         ) + _new_row_constants(shape, cache) + rotary_constants,
     )
     workgroups = (splits * shape.seq_len, shape.attributes.num_heads, shape.batch_size)
@@ -315,7 +327,12 @@ def scratch_bytes(shape: CallShape, tuning: Tuning) -> dict[str, int]:
     queries = shape.batch_size * shape.seq_len * shape.attributes.num_heads
     if route == SPLIT:
         slices = queries * tuning.decode_splits(shape)
-        return {"partial_acc": slices * shape.head_size * 4, "partial_stats": slices * 8}
+        scratch = {"partial_acc": slices * shape.head_size * 4, "partial_stats": slices * 8}
+        if tuning.decode_merges_in_split(shape):
+            # Zero when created (WebGPU zeroes new buffers) and after every dispatch (the last
+            # slice of each query resets its count), so shared by every node and call.
+            scratch["slice_counts"] = queries * 4
+        return scratch
     if route in (TILED, ROWS):
         return {"prepared_query": queries * shape.head_size * 4}
     return {}
@@ -324,12 +341,16 @@ def scratch_bytes(shape: CallShape, tuning: Tuning) -> dict[str, int]:
 def call_dispatches(shape: CallShape, tuning: Tuning, cache: CacheFormat, resources: Mapping[str, BufferRange]) -> list[Dispatch]:
     """Every dispatch of one call, in order: the new rows into the cache (kv_append), then the
     attention by the pass its shape suits (tuning.attention_route). Split-K decode on GPUs
-    writes the new rows in its merge pass instead (Tuning.decode_fused_append)."""
+    writes the new rows in its merge instead (Tuning.decode_fused_append), and merges in its
+    split pass's last slices (Tuning.decode_split_merges): one dispatch per decode step."""
     route = tuning.attention_route(shape)
     fused = route == SPLIT and tuning.decode_fuses_append(shape)
     if route == SPLIT:
         splits, split = tuning.decode_splits(shape), tuning.decode_split(shape)
-        passes = [decode_split(shape, split, splits, cache, resources, fused), decode_merge(shape, tuning, splits, cache, resources, fused)]
+        if tuning.decode_merges_in_split(shape):
+            passes = [decode_split(shape, split, splits, cache, resources, fused, merges=True, max_splits=tuning.decode_max_splits)]
+        else:
+            passes = [decode_split(shape, split, splits, cache, resources, fused), decode_merge(shape, tuning, splits, cache, resources, fused)]
     elif route == TILED:
         passes = [query_prep(shape, tuning, resources), prefill_tiled(shape, tuning.prefill_tiling(shape), cache, resources)]
     elif route == ROWS:

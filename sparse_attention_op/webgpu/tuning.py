@@ -12,10 +12,11 @@ Four attention passes exist (kernels.py builds them; :meth:`Tuning.attention_rou
   owns a tile of queries inside one block row and walks that row's selected keys in tiles
   staged in workgroup memory, with register-blocked Q.K^T and P.V products and an online
   softmax. Tails and chunks that start mid-tile are tiles with idle rows.
-* ``split``: split-K decode (decode_split.wgsl.jinja + decode_merge.wgsl.jinja) for one
-  query or a short chunk (S <= decode_max_queries): each query's selected keys are cut
-  into slices of equal key count, one workgroup each, and a merge pass combines the
-  partial softmaxes.
+* ``split``: split-K decode (decode_split.wgsl.jinja) for one query or a short chunk
+  (S <= decode_max_queries): each query's selected keys are cut into slices of equal key
+  count, one workgroup each, and the last slice of each query to finish combines the
+  partial softmaxes (merge_slices.wgsl.jinja; decode_merge.wgsl.jinja runs it as a pass
+  of its own where the adapter binds too few buffers for that).
 * ``rows``: the prefill pass of CPU adapters (prefill_rows.wgsl.jinja): one subgroup per
   query tile, keys shared by subgroup broadcasts, no workgroup memory, no barriers.
 * ``simple``: the original pass (attention.wgsl.jinja), one key per invocation. It stays
@@ -54,6 +55,7 @@ class PrefillTiling:
     value_chunk: int  # keys of V staged per P.V step (KC)
     head_vec: int  # head_size / 4
     prefetch: bool = True  # software-pipelined staging (loads a step ahead, in registers)
+    fma_scores: bool = True  # scores as chains of fma(), not dot() then an add
 
     @property
     def query_threads(self) -> int:
@@ -183,6 +185,13 @@ class Tuning:
     #: 8-10% faster at 4096 and 8192 tokens; lavapipe: 4-27% slower (it has no latency
     #: to hide), but lavapipe takes the rows pass.
     prefill_prefetch: bool = True
+    #: Accumulate each score as a chain of fma() over the vec4 step instead of adding a
+    #: dot(): four instructions per four multiply-adds instead of five (the driver does
+    #: not fuse the add into the dot, which would round differently). H200 (2026-12-02,
+    #: two sweeps): the tiled pass 5-6% faster, 0.514 / 3.85 / 9.97 ms against 0.543 /
+    #: 4.06 / 10.53 at 1024 / 4096 / 8192 tokens. The P.V update, written as a multiply and
+    #: an add, timed the same as explicit fma() there: the driver already fuses it.
+    prefill_fma_scores: bool = True
     #: Calls of fewer queries (and more than decode_max_queries) use the simple pass: at
     #: the defaults there are none, every call of 17 queries or more is a prefill.
     prefill_min_queries: int = 17
@@ -229,10 +238,18 @@ class Tuning:
     #: The merge pass: invocations per query (at least one per output vec4); the spare
     #: ones read disjoint slices in parallel. H200: 64 slower in every sweep.
     merge_workgroup: int = 256
-    #: Decode writes its new rows into the cache in the merge pass, and the split pass
-    #: reads them from the inputs, instead of a KV-append pass before them: one dispatch
-    #: (and its host calls) less per step. Needs 11 storage buffers per pass with rotary.
+    #: Decode writes its new rows into the cache where it merges (the merge pass, or the
+    #: split pass's last slices), and the split pass reads them from the inputs, instead of
+    #: a KV-append pass before them: one dispatch (and its host calls) less per step. Needs
+    #: 11 storage buffers per pass with rotary (a split pass that also merges: 14).
     decode_fused_append: bool = True
+    #: No merge pass: each query's last slice to finish merges the slices (a count per
+    #: query in an atomic, storage barriers around it: decode_split.wgsl.jinja), so a decode
+    #: step is one dispatch and the GPU never drains between two. H200 (2026-12-02, calls
+    #: repeated in one timed pass): decode at history 8191 0.020 ms against 0.023 (f32
+    #: cache) and 0.022 (f16); at 131000 0.132 against 0.138 (f32), 0.096 against 0.097
+    #: (f16). The merge pass alone took 0.008 ms.
+    decode_split_merges: bool = True
 
     # -- the host's waits ----------------------------------------------------------------
     #: A map waits this long on non-blocking polls before it sleeps in a blocking one
@@ -276,7 +293,7 @@ class Tuning:
             return None
         head_vec = shape.head_size // 4
         tiling = PrefillTiling(query_tile, self.prefill_key_tile, query_regs, self.prefill_key_regs, min(self.prefill_depth_chunk, head_vec),
-                               self.prefill_value_chunk, head_vec, self.prefill_prefetch)
+                               self.prefill_value_chunk, head_vec, self.prefill_prefetch, self.prefill_fma_scores)
         if tiling.workgroup > self.max_invocations:
             return None
         if tiling.valid() and tiling.workgroup_bytes() <= self.workgroup_storage_bytes:
@@ -304,6 +321,15 @@ class Tuning:
         where the adapter binds enough storage buffers: split and merge bind 9 each, with
         rotary's cos/sin 11."""
         return self.decode_fused_append and self.max_storage_buffers >= 9 + 2 * shape.attributes.do_rotary
+
+    def decode_merges_in_split(self, shape: CallShape) -> bool:
+        """Whether the split pass merges (decode_split_merges), where the adapter binds what
+        that pass then needs: the split pass's own buffers (7, fused 9, with rotary 2 more)
+        and the output, the slice counts and (fused, rotary) the rotated keys."""
+        fused = self.decode_fuses_append(shape)
+        rotary = shape.attributes.do_rotary
+        needed = 7 + 2 * fused + 2 * rotary + 2 + (fused and rotary)
+        return self.decode_split_merges and self.max_storage_buffers >= needed
 
     def decode_splits(self, shape: CallShape) -> int:
         """Slices per query: enough workgroups for the GPU, never slices thinner than
@@ -389,5 +415,8 @@ def choose_tuning(limits: dict, features: frozenset, adapter_type: str | None = 
 #: 4); split-K decode over ~64 workgroups (2 cores gain nothing from more: 1024 was 2.5x
 #: slower at history 1023, 64 matched the simple pass there and beat it at 4095).
 #: The decode passes keep their KV-append pass there: lavapipe ran the fused split pass 2-3x
-#: slower (decode at 1023: 62-103 ms against 33-35 ms with the append pass, --quick).
-CPU_FIELDS = dict(prefill_pass=ROWS, rows_lanes=8, rows_query_regs=4, decode_target_workgroups=64, decode_fused_append=False)
+#: slower (decode at 1023: 62-103 ms against 33-35 ms with the append pass, --quick). They
+#: keep the merge pass too: a split pass that merges ran 6-55% slower there (2026-12-02,
+#: --quick --rounds 2: 24.0 against 15.5 ms, f16 cache 16.9 against 15.9).
+CPU_FIELDS = dict(prefill_pass=ROWS, rows_lanes=8, rows_query_regs=4, decode_target_workgroups=64, decode_fused_append=False,
+                  decode_split_merges=False)
