@@ -113,10 +113,11 @@ DECODE_CANDIDATES = [
     ("wg 128", dict(decode_workgroup=128)),
     ("wg 128 target 512", dict(decode_workgroup=128, decode_target_workgroups=512)),
     ("wg 64 target 256", dict(decode_workgroup=64, decode_target_workgroups=256)),
-    ("merge wg 64", dict(merge_workgroup=64)),
+    ("merge wg 64", dict(merge_workgroup=64, decode_split_merges=False)),
     ("append pass", dict(decode_fused_append=False)),
     ("fused append", dict(decode_fused_append=True)),
     ("merge pass", dict(decode_split_merges=False)),
+    ("split merges", dict(decode_split_merges=True)),  # where the adapter's own tuning does not (CPU adapters)
 ]
 
 

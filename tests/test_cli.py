@@ -54,7 +54,7 @@ def test_info_reports_the_chosen_adapter(capsys):
     assert code == 0 and report["versions"]["wgpu"] and report["adapters"]
     chosen = report["chosen"]
     assert chosen["description"] == report["adapters"][0]["description"]
-    assert set(chosen["features"]) == {"shader-f16", "timestamp-query", "subgroup"}
+    assert set(chosen["features"]) == {"shader-f16", "timestamp-query", "subgroup", "memory-decoration-coherent"}
     assert chosen["limits"]["max-storage-buffer-binding-size"] > 0 and chosen["routes"]
     code, out, _ = run_cli(capsys, "info")
     assert code == 0 and "chosen: " in out and "routes at Phi-3-small's shape" in out

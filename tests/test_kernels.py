@@ -197,6 +197,23 @@ def test_split_k_with_more_slices_than_keys(executor, rng, merges):
     check(runner, config, rng, SPLIT, inputs=inputs)
 
 
+def test_a_split_pass_that_merges_equals_the_merge_pass_call_after_call(executor, rng):
+    # The same arithmetic in the same order (merge_slices.wgsl.jinja, 256 invocations in
+    # both): bit-identical outputs, call after call. A merging slice that read another
+    # slice's partial before it landed (no coherence, a missing barrier, a count left over
+    # from the call before) would differ in some call.
+    config = CaseConfig(batch=2, seq_len=1, past_lengths=(300, 117), max_cache_len=320, sparse_block_size=16, do_rotary=True)
+    merging, separate = executor_for(executor, ROUTES[SPLIT]), executor_for(executor, ROUTES["split-merge-pass"])
+    for call in range(12):
+        inputs = random_inputs(config, rng)  # new inputs each call: a stale output cannot pass
+        shape = build_call(inputs, OpAttributes.from_mapping(config.node_attributes())).shape
+        assert merging.tuning.decode_splits(shape) > 8 and merging.tuning.decode_merges_in_split(shape)
+        assert not separate.tuning.decode_merges_in_split(shape)
+        expected = run_executor(separate, inputs, config.node_attributes(), "separate")[0]
+        output = run_executor(merging, inputs, config.node_attributes(), "merging")[0]
+        np.testing.assert_array_equal(output, expected, err_msg=f"call {call}")
+
+
 @pytest.mark.parametrize("route", [SPLIT, "split-unfused", "split-tiles", "split-merge-pass"])
 @pytest.mark.parametrize("past", [(0, 5, 40, 63), (63, 0, 17, 1)])
 def test_split_k_ragged_batch(executor, rng, past, route):
@@ -229,6 +246,7 @@ def test_split_k_short_chunk_decode_chain(executor, rng, route):
     (dict(decode_fused_append=True), ["attention_split"]),
     (dict(decode_fused_append=False), ["kv_append", "attention_split"]),
     (dict(decode_split_merges=False), ["attention_split", "attention_merge"]),
+    (dict(coherent_storage=False), ["attention_split", "attention_merge"]),  # no @coherent: the merge reads stale partials
     # Rotary and packed: a split pass that merges and writes the rows binds 14 buffers, one
     # that merges only 11, the fused passes without it 11 each.
     (dict(max_storage_buffers=13), ["attention_split", "attention_merge"]),

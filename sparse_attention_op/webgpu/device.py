@@ -32,8 +32,10 @@ RAISED_LIMITS = (
     "max-compute-workgroup-size-x",
     "max-compute-workgroups-per-dimension",
 )
-#: Features used when present: f16 storage for later kernels, GPU timestamps for benchmarks.
-OPTIONAL_FEATURES = ("shader-f16", "timestamp-query", "subgroup")
+#: Features used when present: f16 storage for later kernels, GPU timestamps for benchmarks,
+#: subgroups for the CPU adapters' prefill, coherent storage for split-K decode's merge in
+#: its split pass (a slice reads what other workgroups of the same dispatch wrote).
+OPTIONAL_FEATURES = ("shader-f16", "timestamp-query", "subgroup", "memory-decoration-coherent")
 
 
 class NoAdapterError(RuntimeError):

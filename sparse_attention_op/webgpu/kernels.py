@@ -264,9 +264,10 @@ def decode_split(shape: CallShape, split: DecodeSplit, splits: int, cache: Cache
     bindings = _attention_reads("query", cache)
     if merges and fused_append:  # the last slices write the call's rows into the cache
         bindings = tuple(Binding(b.name, b.element, writable=True) if b.name.endswith("_cache") else b for b in bindings)
+    # The merging slice reads the other slices' partials, written in this dispatch.
     bindings += (
-        Binding("partial_acc", VEC4, writable=True),
-        Binding("partial_stats", "vec2<f32>", writable=True),
+        Binding("partial_acc", VEC4, writable=True, coherent=merges),
+        Binding("partial_stats", "vec2<f32>", writable=True, coherent=merges),
     ) + (_NEW_ROW_SOURCES if fused_append else ()) + rotary_bindings
     if merges:
         bindings += (Binding("output", VEC4, writable=True), Binding("slice_counts", "atomic<u32>", writable=True))

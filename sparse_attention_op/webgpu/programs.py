@@ -38,6 +38,9 @@ class Binding:
     name: str
     element: str  # "f32", "u32", "vec4<f32>", ...
     writable: bool = False
+    #: Loads see other workgroups' stores of the same dispatch once a device-scope barrier
+    #: orders them (``@coherent``: needs the device feature memory-decoration-coherent).
+    coherent: bool = False
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,8 @@ class Program:
             lines.insert(0, "enable f16;")  # needs the device feature shader-f16
         for index, binding in enumerate(self.bindings, start=1):
             access = "read_write" if binding.writable else "read"
-            lines.append(f"@group(0) @binding({index}) var<storage, {access}> {binding.name}: array<{binding.element}>;")
+            coherent = " @coherent" if binding.coherent else ""
+            lines.append(f"@group(0) @binding({index}){coherent} var<storage, {access}> {binding.name}: array<{binding.element}>;")
         return "\n".join(lines)
 
     def render(self) -> str:

@@ -16,7 +16,8 @@ Four attention passes exist (kernels.py builds them; :meth:`Tuning.attention_rou
   (S <= decode_max_queries): each query's selected keys are cut into slices of equal key
   count, one workgroup each, and the last slice of each query to finish combines the
   partial softmaxes (merge_slices.wgsl.jinja; decode_merge.wgsl.jinja runs it as a pass
-  of its own where the adapter binds too few buffers for that).
+  of its own on CPU adapters, with decode_split_merges off, and where the adapter lacks
+  coherent storage or binds too few buffers: decode_merges_in_split).
 * ``rows``: the prefill pass of CPU adapters (prefill_rows.wgsl.jinja): one subgroup per
   query tile, keys shared by subgroup broadcasts, no workgroup memory, no barriers.
 * ``simple``: the original pass (attention.wgsl.jinja), one key per invocation. It stays
@@ -157,6 +158,9 @@ class Tuning:
     max_invocations: int = 256
     #: Storage buffers one pass may bind (WebGPU guarantees 8).
     max_storage_buffers: int = 8
+    #: Whether storage buffers can be declared ``@coherent`` (the device feature
+    #: memory-decoration-coherent): what a split pass that merges needs (decode_split_merges).
+    coherent_storage: bool = False
 
     # -- the tiled prefill pass ----------------------------------------------------------
     #: Queries per workgroup. 64 = one Phi-3 block row: the K/V tile staged in workgroup
@@ -188,7 +192,7 @@ class Tuning:
     #: Accumulate each score as a chain of fma() over the vec4 step instead of adding a
     #: dot(): four instructions per four multiply-adds instead of five (the driver does
     #: not fuse the add into the dot, which would round differently). H200 (2026-12-02,
-    #: two sweeps): the tiled pass 5-6% faster, 0.514 / 3.85 / 9.97 ms against 0.543 /
+    #: three sweeps): the tiled pass 5-6% faster, 0.514 / 3.85 / 9.96 ms against 0.543 /
     #: 4.06 / 10.53 at 1024 / 4096 / 8192 tokens. The P.V update, written as a multiply and
     #: an add, timed the same as explicit fma() there: the driver already fuses it.
     prefill_fma_scores: bool = True
@@ -203,7 +207,7 @@ class Tuning:
     #: (lavapipe's subgroup is its SIMD width: 8 lanes of f32 on 256-bit AVX2).
     rows_lanes: int = 8
     #: Rows pass: queries per lane; each broadcast K or V vec4 feeds this many of them.
-    #: (CPU_FIELDS sets the measured choice for CPU adapters.)
+    #: (CPU_PREFILL_FIELDS sets the measured choice for CPU adapters.)
     rows_query_regs: int = 2
 
     # -- split-K decode ------------------------------------------------------------------
@@ -323,13 +327,15 @@ class Tuning:
         return self.decode_fused_append and self.max_storage_buffers >= 9 + 2 * shape.attributes.do_rotary
 
     def decode_merges_in_split(self, shape: CallShape) -> bool:
-        """Whether the split pass merges (decode_split_merges), where the adapter binds what
-        that pass then needs: the split pass's own buffers (7, fused 9, with rotary 2 more)
-        and the output, the slice counts and (fused, rotary) the rotated keys."""
+        """Whether the split pass merges (decode_split_merges), where the adapter has coherent
+        storage (the merging slice reads partials other workgroups wrote in the same
+        dispatch; WGSL alone promises that only inside a workgroup) and binds what that pass
+        needs: the split pass's own buffers (7, fused 9, with rotary 2 more) and the output,
+        the slice counts and (fused, rotary) the rotated keys."""
         fused = self.decode_fuses_append(shape)
         rotary = shape.attributes.do_rotary
         needed = 7 + 2 * fused + 2 * rotary + 2 + (fused and rotary)
-        return self.decode_split_merges and self.max_storage_buffers >= needed
+        return self.decode_split_merges and self.coherent_storage and self.max_storage_buffers >= needed
 
     def decode_splits(self, shape: CallShape) -> int:
         """Slices per query: enough workgroups for the GPU, never slices thinner than
@@ -392,7 +398,7 @@ def choose_tuning(limits: dict, features: frozenset, adapter_type: str | None = 
     measured on 2 cores) take the rows pass for prompts, since there gathers and barriers
     dominate and subgroup shuffles are nearly free: sparse prefill of 2048 tokens 5x
     faster than the tiled pass. It needs the ``subgroup`` feature; without it they keep
-    the tiled pass. The adapter type comes from the caller where it knows it, else from
+    the tiled pass. Their decode fields (CPU_DECODE_FIELDS) apply either way. The adapter type comes from the caller where it knows it, else from
     :func:`looks_like_cpu`.
     """
     workgroup_bytes = int(limits.get("max-compute-workgroup-storage-size", 16384))
@@ -400,23 +406,26 @@ def choose_tuning(limits: dict, features: frozenset, adapter_type: str | None = 
     invocations = int(limits.get("max-compute-invocations-per-workgroup", 256))
     storage_buffers = int(limits.get("max-storage-buffers-per-shader-stage", 8))
     tuning = Tuning(workgroup_storage_bytes=workgroup_bytes, max_binding_bytes=binding_bytes, max_invocations=invocations,
-                    max_storage_buffers=storage_buffers)
+                    max_storage_buffers=storage_buffers, coherent_storage="memory-decoration-coherent" in features)
     cpu = adapter_type == "CPU" if adapter_type is not None else looks_like_cpu(limits)
     if cpu:
-        tuning = dataclasses.replace(tuning, map_spin_seconds=0.0)
+        tuning = dataclasses.replace(tuning, map_spin_seconds=0.0, **CPU_DECODE_FIELDS)
     if cpu and "subgroup" in features:
-        tuning = dataclasses.replace(tuning, **CPU_FIELDS)
+        tuning = dataclasses.replace(tuning, **CPU_PREFILL_FIELDS)
     return tuning
 
 
-#: What CPU adapters change (lavapipe, 2 cores; scripts/tune_kernels.py --quick and
-#: --lavapipe-check): the rows pass with 4 queries per lane, so that one gathered vec4 and
-#: its 8 broadcasts feed 32 multiply-adds (1 query per lane: 1.7x slower; 8: the same as
-#: 4); split-K decode over ~64 workgroups (2 cores gain nothing from more: 1024 was 2.5x
-#: slower at history 1023, 64 matched the simple pass there and beat it at 4095).
-#: The decode passes keep their KV-append pass there: lavapipe ran the fused split pass 2-3x
-#: slower (decode at 1023: 62-103 ms against 33-35 ms with the append pass, --quick). They
-#: keep the merge pass too: a split pass that merges ran 6-55% slower there (2026-12-02,
-#: --quick --rounds 2: 24.0 against 15.5 ms, f16 cache 16.9 against 15.9).
-CPU_FIELDS = dict(prefill_pass=ROWS, rows_lanes=8, rows_query_regs=4, decode_target_workgroups=64, decode_fused_append=False,
-                  decode_split_merges=False)
+#: What CPU adapters with subgroups change for prompts (lavapipe, 2 cores;
+#: scripts/tune_kernels.py --quick and --lavapipe-check): the rows pass with 4 queries per
+#: lane, so that one gathered vec4 and its 8 broadcasts feed 32 multiply-adds (1 query per
+#: lane: 1.7x slower; 8: the same as 4).
+CPU_PREFILL_FIELDS = dict(prefill_pass=ROWS, rows_lanes=8, rows_query_regs=4)
+
+#: What every CPU adapter changes for decode (lavapipe, 2 cores, --quick): split-K over ~64
+#: workgroups (2 cores gain nothing from more: 1024 was 2.5x slower at history 1023, 64
+#: matched the simple pass there and beat it at 4095). The decode passes keep their
+#: KV-append pass there: lavapipe ran the fused split pass 2-3x slower (decode at 1023:
+#: 62-103 ms against 33-35 ms with the append pass). They keep the merge pass too: a split
+#: pass that merges ran 6-55% slower there (2026-12-02, --quick --rounds 2: 24.0 against
+#: 15.5 ms, f16 cache 16.9 against 15.9).
+CPU_DECODE_FIELDS = dict(decode_target_workgroups=64, decode_fused_append=False, decode_split_merges=False)
