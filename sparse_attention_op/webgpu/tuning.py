@@ -252,7 +252,8 @@ class Tuning:
     #: step is one dispatch and the GPU never drains between two. H200 (2026-12-02, calls
     #: repeated in one timed pass): decode at history 8191 0.020 ms against 0.023 (f32
     #: cache) and 0.022 (f16); at 131000 0.132 against 0.138 (f32), 0.096 against 0.097
-    #: (f16). The merge pass alone took 0.008 ms.
+    #: (f16). The merge pass alone took 0.008 ms. With the partials @coherent (needed):
+    #: 0.021 (f32) and 0.020 (f16) at 8191.
     decode_split_merges: bool = True
 
     # -- the host's waits ----------------------------------------------------------------
