@@ -13,6 +13,7 @@ from sparse_attention_op.inputs import CaseConfig, random_inputs
 from sparse_attention_op.spec import OpAttributes, build_call
 from sparse_attention_op.webgpu import kernels
 from sparse_attention_op.webgpu.executor import WebGPUExecutor
+from sparse_attention_op.webgpu.programs import BufferRange
 from sparse_attention_op.webgpu.tuning import ROWS, SIMPLE, SPLIT, TILED, Tuning, choose_tuning
 
 pytestmark = pytest.mark.gpu
@@ -261,6 +262,41 @@ def test_decode_passes_are_as_few_as_the_adapter_binds(executor, rng, fields, pa
     # The next step reads the rows the first one wrote from the resident cache: none re-uploaded.
     check(runner, dataclasses.replace(config, past_lengths=(10, 31)), rng, SPLIT, past=outputs[1:], node_key="fused")
     assert run_executor.last_stats.history_rows_uploaded == 0
+
+
+class _AnyResource(dict):
+    """Every name a dispatch may bind, as one placeholder range (dispatches are only declared here)."""
+
+    def __contains__(self, name):
+        return True
+
+    def __missing__(self, name):
+        return BufferRange(None, 0, 16)
+
+
+@pytest.mark.parametrize("rotary", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_storage_buffers_tuning_counts_are_those_the_decode_passes_declare(rng, fused, rotary):
+    # Tuning decides from counts (decode_fuses_append, decode_merges_in_split) before any
+    # dispatch exists: the least limit it accepts must be exactly what the passes then bind.
+    config = CaseConfig(seq_len=1, past_lengths=(9,), max_cache_len=16, do_rotary=rotary, packed=rotary)
+    shape = build_call(random_inputs(config, rng), OpAttributes.from_mapping(config.node_attributes())).shape
+    cache = kernels.CacheFormat(rows=16, f16=False, round_keys_to_f16=False)
+
+    def tuning(buffers, merges):
+        return Tuning(max_storage_buffers=buffers, coherent_storage=True, decode_fused_append=fused, decode_split_merges=merges)
+
+    def bound(merges):
+        least = next(n for n in range(1, 64) if tuning(n, merges).decode_fuses_append(shape) == fused
+                     and tuning(n, merges).decode_merges_in_split(shape) == merges)
+        dispatches = kernels.call_dispatches(shape, tuning(least, merges), cache, _AnyResource())
+        return least, max(len(d.program.bindings) for d in dispatches), [d.label for d in dispatches]
+
+    # (Unfused, unmerged passes have no count of their own to check: tuning decides nothing.)
+    for merges in (True, False) if fused else (True,):
+        least, declared, labels = bound(merges)
+        assert declared == least, (merges, labels)
+        assert ("attention_merge" in labels) != merges and ("kv_append" in labels) != fused
 
 
 def test_split_k_partials_stay_within_one_binding(executor, rng):

@@ -40,10 +40,11 @@ def bind(label: str, program: Program, resources: Mapping[str, BufferRange], uni
     return Dispatch(label, program, {b.name: resources[b.name] for b in program.bindings}, uniforms, tuple(workgroups))
 
 
-def _attention_reads(query: str, cache: CacheFormat) -> tuple[Binding, ...]:
-    """What every attention pass reads: its queries (by name), the cache, each row's past and the layout."""
-    return (Binding(query, VEC4), Binding("key_cache", cache.vec), Binding("value_cache", cache.vec), Binding("row_past", "u32"),
-            Binding("block_plan", "u32"))
+def _attention_reads(query: str, cache: CacheFormat, writes_cache: bool = False) -> tuple[Binding, ...]:
+    """What every attention pass reads: its queries (by name), the cache (also written by a
+    pass that stores the call's rows), each row's past and the layout."""
+    return (Binding(query, VEC4), Binding("key_cache", cache.vec, writable=writes_cache), Binding("value_cache", cache.vec, writable=writes_cache),
+            Binding("row_past", "u32"), Binding("block_plan", "u32"))
 
 
 def _rotary(shape: CallShape) -> tuple[tuple, tuple[Binding, ...]]:
@@ -261,9 +262,7 @@ def decode_split(shape: CallShape, split: DecodeSplit, splits: int, cache: Cache
     With ``merges`` each query's last slice to finish merges the slices into the output
     (and writes the call's rows, with ``fused_append``): no decode_merge pass follows."""
     rotary_constants, rotary_bindings = _rotary(shape)
-    bindings = _attention_reads("query", cache)
-    if merges and fused_append:  # the last slices write the call's rows into the cache
-        bindings = tuple(Binding(b.name, b.element, writable=True) if b.name.endswith("_cache") else b for b in bindings)
+    bindings = _attention_reads("query", cache, writes_cache=merges and fused_append)  # the last slices store the call's rows
     # The merging slice reads the other slices' partials, written in this dispatch.
     bindings += (
         Binding("partial_acc", VEC4, writable=True, coherent=merges),

@@ -399,8 +399,8 @@ def choose_tuning(limits: dict, features: frozenset, adapter_type: str | None = 
     measured on 2 cores) take the rows pass for prompts, since there gathers and barriers
     dominate and subgroup shuffles are nearly free: sparse prefill of 2048 tokens 5x
     faster than the tiled pass. It needs the ``subgroup`` feature; without it they keep
-    the tiled pass. Their decode fields (CPU_DECODE_FIELDS) apply either way. The adapter type comes from the caller where it knows it, else from
-    :func:`looks_like_cpu`.
+    the tiled pass. Their decode fields (CPU_DECODE_FIELDS) apply either way. The adapter
+    type comes from the caller where it knows it, else from :func:`looks_like_cpu`.
     """
     workgroup_bytes = int(limits.get("max-compute-workgroup-storage-size", 16384))
     binding_bytes = int(limits.get("max-storage-buffer-binding-size", 128 << 20))
