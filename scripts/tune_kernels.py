@@ -77,6 +77,7 @@ PREFILL_CANDIDATES = [
     ("tiled", tiled()),
     ("no prefetch", tiled(prefill_prefetch=False)),
     ("dot scores", tiled(prefill_fma_scores=False)),
+    ("prepared query", tiled(prefill_resident_query=False)),
     ("depth 4", tiled(prefill_depth_chunk=4)),
     ("depth 16", tiled(prefill_depth_chunk=16, prefill_value_chunk=16)),
     ("vchunk 16", tiled(prefill_value_chunk=16)),

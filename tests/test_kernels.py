@@ -26,6 +26,8 @@ ROUTES = {
     "tiled-default": dict(prefill_min_queries=2, decode_max_queries=1, prefill_pass=TILED),
     "tiled-no-prefetch": dict(SMALL_TILES, prefill_prefetch=False),
     "tiled-dot-scores": dict(SMALL_TILES, prefill_fma_scores=False),
+    # Queries from a query_prep pass, re-read every key tile (by default they stay in registers).
+    "tiled-prepared-query": dict(SMALL_TILES, prefill_resident_query=False),
     SPLIT: dict(decode_max_queries=4096, decode_target_workgroups=4096, decode_min_keys_per_split=3, decode_fused_append=True,
                 decode_split_merges=True),
     "split-unfused": dict(decode_max_queries=4096, decode_target_workgroups=4096, decode_min_keys_per_split=3, decode_fused_append=False,
@@ -76,7 +78,7 @@ def decode_route(route) -> str:
     return SPLIT if route.startswith((TILED, SPLIT)) else route
 
 
-@pytest.mark.parametrize("route", [TILED, "tiled-default", "tiled-no-prefetch", "tiled-dot-scores", ROWS, SIMPLE])
+@pytest.mark.parametrize("route", [TILED, "tiled-default", "tiled-no-prefetch", "tiled-dot-scores", "tiled-prepared-query", ROWS, SIMPLE])
 @pytest.mark.parametrize("seq_len", [16, 37, 70])
 def test_prompt_tiles_cross_block_rows_and_the_diagonal(executor, rng, route, seq_len):
     # Blocks of 32 with tiles of 16: two query tiles per block row, key tiles inside and
@@ -86,7 +88,7 @@ def test_prompt_tiles_cross_block_rows_and_the_diagonal(executor, rng, route, se
     check(runner, config, rng, expect)
 
 
-@pytest.mark.parametrize("route", [TILED, "tiled-no-prefetch", ROWS, SPLIT])
+@pytest.mark.parametrize("route", [TILED, "tiled-no-prefetch", "tiled-prepared-query", ROWS, SPLIT])
 @pytest.mark.parametrize("past", [(9,), (16,), (30, 3)])
 def test_chunked_prefill_with_history_starts_mid_tile(executor, rng, route, past):
     runner, expect = forced(executor, route)
@@ -177,12 +179,43 @@ def test_f16_cache(executor, rng, route):
     check(runner, step, rng, decode_route(route), float16_storage=True, tol=1e-2, node_key="kernels-f16")
 
 
-@pytest.mark.parametrize("route", [TILED, ROWS, SPLIT, "split-unfused"])
+@pytest.mark.parametrize("route", [TILED, "tiled-prepared-query", ROWS, SPLIT, "split-unfused"])
 @pytest.mark.parametrize("rotary", [dict(do_rotary=True), dict(do_rotary=True, rotary_interleaved=True), dict(do_rotary=True, rotary_dim=16)])
 def test_rotary_queries(executor, rng, route, rotary):
     runner, expect = forced(executor, route)
     config = CaseConfig(seq_len=18, past_lengths=(5,), max_cache_len=32, head_size=32, packed=True, **rotary)
     check(runner, config, rng, expect)
+
+
+@pytest.mark.parametrize("head_size,rotary", [(128, dict(do_rotary=True)), (32, dict(do_rotary=True, rotary_interleaved=True)),
+                                               (144, dict(do_rotary=True, rotary_dim=64)), (64, dict())])
+def test_resident_queries_equal_prepared_queries(executor, rng, head_size, rotary):
+    # The tiled pass rotating and scaling its queries itself computes what query_prep
+    # writes, in the same order, so the outputs are bit-identical: a wrong partner, table
+    # row, chunk column or scale in the resident load differs. 144 leaves the last depth
+    # chunk short (36 head vec4s in chunks of 8); the history starts the call mid-tile.
+    fields = dict(prefill_min_queries=2, decode_max_queries=1, prefill_pass=TILED)
+    resident, prepared = executor_for(executor, fields), executor_for(executor, dict(fields, prefill_resident_query=False))
+    config = CaseConfig(seq_len=75, past_lengths=(21,), max_cache_len=160, sparse_block_size=64, head_size=head_size, num_heads=4,
+                        kv_num_heads=2, local_blocks=1, vert_stride=2, packed=True, **rotary)
+    inputs = random_inputs(config, rng)
+    shape = build_call(inputs, OpAttributes.from_mapping(config.node_attributes())).shape
+    assert resident.tuning.prefill_tiling(shape).resident_query and not prepared.tuning.prefill_tiling(shape).resident_query
+    expected = run_executor(prepared, inputs, config.node_attributes(), "prepared")
+    output = run_executor(resident, inputs, config.node_attributes(), "resident")[0]
+    assert_matches_reference(expected, inputs, config.node_attributes(), what="prepared queries")
+    np.testing.assert_array_equal(output, expected[0])
+    labels = {name: [launch.label for launch in runner.node_state(name).launch_plan.launches]
+              for name, runner in (("resident", resident), ("prepared", prepared))}
+    assert labels == {"resident": ["kv_append", "attention_tiled"], "prepared": ["kv_append", "query_prep", "attention_tiled"]}
+
+
+def test_queries_too_large_for_registers_keep_the_prepared_pass(executor, rng):
+    runner = executor_for(executor, dict(prefill_min_queries=2, decode_max_queries=0, prefill_pass=TILED, prefill_resident_query_vec4=8))
+    config = CaseConfig(head_size=256, seq_len=20, max_cache_len=32, sparse_block_size=16, do_rotary=True)
+    tiling = runner.tuning.prefill_tiling(build_call(random_inputs(config, rng), OpAttributes.from_mapping(config.node_attributes())).shape)
+    assert tiling.resident_query_vec4 > 8 and not tiling.resident_query
+    check(runner, config, rng, TILED)
 
 
 @pytest.mark.parametrize("merges", [True, False], ids=["last-slice-merges", "merge-pass"])

@@ -214,13 +214,30 @@ def _prefill_bindings(cache: CacheFormat) -> tuple[Binding, ...]:
     return _attention_reads("prepared_query", cache) + (Binding("output", VEC4, writable=True),)
 
 
+#: Where a pass that rotates and scales the call's queries itself finds them.
+_QUERY_UNIFORMS = (("query_row_vec", "u32"), ("rotary_half", "u32"), ("scale", "f32"))
+
+
+def _query_uniforms(shape: CallShape) -> dict:
+    return dict(query_row_vec=shape.query_hidden // 4, rotary_half=shape.rotary_dim // 2, scale=shape.scale)
+
+
 def prefill_tiled(shape: CallShape, tiling: PrefillTiling, cache: CacheFormat, resources: Mapping[str, BufferRange]) -> Dispatch:
     """One workgroup per (query tile, head, batch row); heads along x so that the latest
-    (heaviest) tiles of every head are dispatched first."""
+    (heaviest) tiles of every head are dispatched first. With ``tiling.resident_query`` it
+    reads the call's queries and rotates and scales them itself (no query_prep pass)."""
+    uniforms = _layout_uniforms(shape, cache)
+    if tiling.resident_query:
+        rotary_constants, rotary_bindings = _rotary(shape)
+        bindings = _attention_reads("query", cache) + (Binding("output", VEC4, writable=True),) + rotary_bindings
+        declared = _LAYOUT_UNIFORMS + _QUERY_UNIFORMS
+        uniforms.update(_query_uniforms(shape))
+    else:
+        rotary_constants, bindings, declared = (), _prefill_bindings(cache), _LAYOUT_UNIFORMS
     program = Program(
         template="prefill_tiled.wgsl.jinja",
-        bindings=_prefill_bindings(cache),
-        uniforms=_LAYOUT_UNIFORMS,
+        bindings=bindings,
+        uniforms=declared,
         constants=(
             ("head_vec", tiling.head_vec),
             ("query_tile", tiling.query_tile),
@@ -235,10 +252,11 @@ def prefill_tiled(shape: CallShape, tiling: PrefillTiling, cache: CacheFormat, r
             ("stage_vec4", tiling.stage_vec4),
             ("prefetch", tiling.prefetch),
             ("fma_scores", tiling.fma_scores),
-        ),
+            ("resident_query", tiling.resident_query),
+        ) + rotary_constants,
     )
     workgroups = (shape.attributes.num_heads, _tiled_rows(shape, tiling.query_tile), shape.batch_size)
-    return bind("attention_tiled", program, resources, _layout_uniforms(shape, cache), workgroups)
+    return bind("attention_tiled", program, resources, uniforms, workgroups)
 
 
 def prefill_rows(shape: CallShape, tuning: Tuning, cache: CacheFormat, resources: Mapping[str, BufferRange]) -> Dispatch:
@@ -272,13 +290,11 @@ def decode_split(shape: CallShape, split: DecodeSplit, splits: int, cache: Cache
         bindings += (Binding("output", VEC4, writable=True), Binding("slice_counts", "atomic<u32>", writable=True))
         if fused_append and shape.attributes.do_rotary:
             bindings += (Binding("new_key", VEC4, writable=True),)
-    uniforms = dict(_layout_uniforms(shape, cache), query_row_vec=shape.query_hidden // 4, rotary_half=shape.rotary_dim // 2,
-                    scale=shape.scale, splits=splits, **(_new_row_uniforms(shape) if fused_append else {}))
+    uniforms = dict(_layout_uniforms(shape, cache), **_query_uniforms(shape), splits=splits, **(_new_row_uniforms(shape) if fused_append else {}))
     program = Program(
         template="decode_split.wgsl.jinja",
         bindings=bindings,
-        uniforms=_LAYOUT_UNIFORMS + (("query_row_vec", "u32"), ("rotary_half", "u32"), ("scale", "f32"), ("splits", "u32"))
-                 + (_NEW_ROW_UNIFORMS if fused_append else ()),
+        uniforms=_LAYOUT_UNIFORMS + _QUERY_UNIFORMS + (("splits", "u32"),) + (_NEW_ROW_UNIFORMS if fused_append else ()),
         constants=(
             ("head_vec", split.head_vec),
             ("workgroup_size", split.workgroup),
@@ -333,7 +349,7 @@ def scratch_bytes(shape: CallShape, tuning: Tuning) -> dict[str, int]:
             # slice of each query resets its count), so shared by every node and call.
             scratch["slice_counts"] = queries * 4
         return scratch
-    if route in (TILED, ROWS):
+    if route == ROWS or (route == TILED and not tuning.prefill_tiling(shape).resident_query):
         return {"prepared_query": queries * shape.head_size * 4}
     return {}
 
@@ -352,7 +368,8 @@ def call_dispatches(shape: CallShape, tuning: Tuning, cache: CacheFormat, resour
         else:
             passes = [decode_split(shape, split, splits, cache, resources, fused), decode_merge(shape, tuning, splits, cache, resources, fused)]
     elif route == TILED:
-        passes = [query_prep(shape, tuning, resources), prefill_tiled(shape, tuning.prefill_tiling(shape), cache, resources)]
+        tiling = tuning.prefill_tiling(shape)
+        passes = ([] if tiling.resident_query else [query_prep(shape, tuning, resources)]) + [prefill_tiled(shape, tiling, cache, resources)]
     elif route == ROWS:
         passes = [query_prep(shape, tuning, resources), prefill_rows(shape, tuning, cache, resources)]
     else:
