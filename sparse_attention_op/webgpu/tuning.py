@@ -209,7 +209,10 @@ class Tuning:
     #: query_prep pass writing prepared queries that every key tile re-reads: one pass and
     #: a 128 MB round trip less at 8192 tokens, a third less staging traffic per tile.
     #: Only where the queries take at most prefill_resident_query_vec4 registers (larger
-    #: heads or smaller workgroups keep query_prep).
+    #: heads or smaller workgroups keep query_prep). H200 (2026-12-02, two sweeps): the
+    #: whole call 0.488 / 3.597 / 9.233 ms at 1024 / 4096 / 8192 tokens against 0.540 /
+    #: 3.899 / 10.055 with query_prep; the tiled pass alone 7-8% faster (9.18 against 9.93
+    #: ms at 8192). The other candidates stayed slower with resident queries too.
     prefill_resident_query: bool = True
     prefill_resident_query_vec4: int = 16
     #: Calls of fewer queries (and more than decode_max_queries) use the simple pass: at
