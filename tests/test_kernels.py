@@ -78,7 +78,8 @@ def decode_route(route) -> str:
     return SPLIT if route.startswith((TILED, SPLIT)) else route
 
 
-@pytest.mark.parametrize("route", [TILED, "tiled-default", "tiled-no-prefetch", "tiled-dot-scores", "tiled-prepared-query", ROWS, SIMPLE])
+@pytest.mark.parametrize("route", [TILED, "tiled-default", "tiled-no-prefetch", "tiled-dot-scores", "tiled-prepared-query",
+                                   ROWS, SIMPLE])
 @pytest.mark.parametrize("seq_len", [16, 37, 70])
 def test_prompt_tiles_cross_block_rows_and_the_diagonal(executor, rng, route, seq_len):
     # Blocks of 32 with tiles of 16: two query tiles per block row, key tiles inside and

@@ -72,27 +72,27 @@ class PrefillTiling:
         return self.query_threads * self.key_threads
 
     @property
-    def team(self) -> int:
-        """Invocations per query row in the softmax step."""
-        return self.workgroup // self.query_tile
-
-    @property
     def value_cols(self) -> int:
         """Output vec4 columns per invocation in the P.V product (the head padded to fit)."""
         return -(-self.head_vec // self.key_threads)
 
     @property
     def stage_vec4(self) -> int:
-        """The staging region: a Q and a K chunk (rows padded by one vec4 so the score
-        loop's strided row reads spread over the banks), or a V chunk, whichever is larger."""
-        qk = (self.query_tile + self.key_tile) * (self.depth_chunk + 1)
+        """One Q/K staging buffer: a Q and a K chunk, rows padded by one vec4 so that the
+        score loop's strided row reads spread over the banks."""
+        return (self.query_tile + self.key_tile) * (self.depth_chunk + 1)
+
+    @property
+    def smem_vec4(self) -> int:
+        """The pass's workgroup array: two staging buffers (step 1), or the probability tile
+        and a V chunk (steps 2 and 3), whichever is larger."""
         v = self.value_chunk * self.value_cols * self.key_threads
-        return max(qk, v)
+        return max(2 * self.stage_vec4, self.query_tile * self.probs_row_vec4 + v)
 
     @property
     def probs_row_vec4(self) -> int:
-        """Row stride of the probability tile in vec4s: one spare vec4 so the softmax
-        team's reads (rows apart by the stride) land on distinct banks."""
+        """Row stride of the probability tile in vec4s: one spare vec4 so that the P.V
+        step's reads of a warp's two rows land on distinct banks."""
         return self.key_tile // 4 + 1
 
     @property
@@ -103,23 +103,21 @@ class PrefillTiling:
         return -(-self.query_tile * self.depth_chunk // self.workgroup) * depth_steps
 
     def barriers_per_key(self) -> float:
+        """Barriers per key tile (one per staging step and one before the first, two for the
+        softmax, two per further V chunk), per key."""
         depth_steps = -(-self.head_vec // self.depth_chunk)
-        return (2 * depth_steps + 3 + 2 * (self.key_tile // self.value_chunk - 1)) / self.key_tile
+        return (depth_steps + 1 + 2 + 2 * (self.key_tile // self.value_chunk - 1)) / self.key_tile
 
     def workgroup_bytes(self) -> int:
-        stage = self.stage_vec4 * 16
-        probs = self.query_tile * self.probs_row_vec4 * 16
-        stats = (2 * self.query_tile * self.team + 2 * self.query_tile) * 4
-        return stage + probs + stats
+        row_parts = self.query_tile * self.key_threads * 4
+        return self.smem_vec4 * 16 + row_parts
 
     def valid(self) -> bool:
         return (
             self.query_tile % self.query_regs == 0
             and self.key_tile % self.key_regs == 0
             and self.key_tile % 4 == 0
-            and self.workgroup % self.query_tile == 0
-            and (self.key_tile // 4) % max(1, self.team) == 0
-            and self.team >= 1
+            and self.key_threads % 4 == 0  # the row maxima and sums are read as vec4s
             and self.key_tile % self.value_chunk == 0
             and self.value_chunk % 4 == 0
         )
@@ -184,7 +182,8 @@ class Tuning:
     #: 8 x 8 2x (registers), 32-query tiles with 2 x 4 blocks 1.4x.
     prefill_query_regs: int = 4
     prefill_key_regs: int = 4
-    #: Head vec4s per Q/K staging step: (TQ + TK) x 8 vec4 = 18 KiB with padding.
+    #: Head vec4s per Q/K staging step: (TQ + TK) x 8 vec4 = 18 KiB with padding, two
+    #: buffers of it (the probability tile and V's chunk reuse the same memory later).
     #: H200: 4 and 16 within 1-2% (fewer barriers against more workgroups per SM).
     prefill_depth_chunk: int = 8
     #: Keys of V per staging step: 32 x 128 floats = 16 KiB at head size 128. H200: 16
@@ -213,6 +212,9 @@ class Tuning:
     #: whole call 0.488 / 3.597 / 9.233 ms at 1024 / 4096 / 8192 tokens against 0.540 /
     #: 3.899 / 10.055 with query_prep; the tiled pass alone 7-8% faster (9.18 against 9.93
     #: ms at 8192). The other candidates stayed slower with resident queries too.
+    #: Since then (same day) the softmax runs in registers and the staging buffers are
+    #: double-buffered (prefill_tiled.wgsl.jinja): 0.477 / 3.505 / 8.997 ms against 0.489 /
+    #: 3.600 / 9.242 for the same candidates in the same process.
     prefill_resident_query: bool = True
     prefill_resident_query_vec4: int = 16
     #: Calls of fewer queries (and more than decode_max_queries) use the simple pass: at
