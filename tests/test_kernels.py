@@ -28,6 +28,8 @@ ROUTES = {
     "tiled-dot-scores": dict(SMALL_TILES, prefill_fma_scores=False),
     # Queries from a query_prep pass, re-read every key tile (by default they stay in registers).
     "tiled-prepared-query": dict(SMALL_TILES, prefill_resident_query=False),
+    # ...and staged without prefetch: the runtime loop over depth chunks, loads in each step.
+    "tiled-prepared-no-prefetch": dict(SMALL_TILES, prefill_resident_query=False, prefill_prefetch=False),
     SPLIT: dict(decode_max_queries=4096, decode_target_workgroups=4096, decode_min_keys_per_split=3, decode_fused_append=True,
                 decode_split_merges=True),
     "split-unfused": dict(decode_max_queries=4096, decode_target_workgroups=4096, decode_min_keys_per_split=3, decode_fused_append=False,
@@ -79,7 +81,7 @@ def decode_route(route) -> str:
 
 
 @pytest.mark.parametrize("route", [TILED, "tiled-default", "tiled-no-prefetch", "tiled-dot-scores", "tiled-prepared-query",
-                                   ROWS, SIMPLE])
+                                   "tiled-prepared-no-prefetch", ROWS, SIMPLE])
 @pytest.mark.parametrize("seq_len", [16, 37, 70])
 def test_prompt_tiles_cross_block_rows_and_the_diagonal(executor, rng, route, seq_len):
     # Blocks of 32 with tiles of 16: two query tiles per block row, key tiles inside and
@@ -188,20 +190,35 @@ def test_rotary_queries(executor, rng, route, rotary):
     check(runner, config, rng, expect)
 
 
-@pytest.mark.parametrize("head_size,rotary", [(128, dict(do_rotary=True)), (32, dict(do_rotary=True, rotary_interleaved=True)),
-                                               (144, dict(do_rotary=True, rotary_dim=64)), (64, dict())])
-def test_resident_queries_equal_prepared_queries(executor, rng, head_size, rotary):
+_TILED_ONLY = dict(prefill_min_queries=2, decode_max_queries=1, prefill_pass=TILED)
+
+
+@pytest.mark.parametrize("tiles,head_size,case", [
+    ("default", 128, dict(do_rotary=True)),
+    ("default", 32, dict(do_rotary=True, rotary_interleaved=True)),
+    ("default", 144, dict(do_rotary=True, rotary_dim=64)),
+    ("default", 136, dict()),  # 34 head vec4s: the last depth chunk is short
+    ("default", 64, dict(do_rotary=True, batch=2, past_lengths=None, prompt_lengths=(75, 50))),
+    ("small", 32, dict(do_rotary=True)),  # small tiles: the Q and K staging loops end in partial rounds
+], ids=["rotary", "interleaved", "partial-rotary", "short-chunk", "ragged-batch", "small-tiles"])
+def test_resident_queries_equal_prepared_queries(executor, rng, tiles, head_size, case):
     # The tiled pass rotating and scaling its queries itself computes what query_prep
     # writes, in the same order, so the outputs are bit-identical: a wrong partner, table
-    # row, chunk column or scale in the resident load differs. 144 leaves the last depth
-    # chunk short (36 head vec4s in chunks of 8); the history starts the call mid-tile.
-    fields = dict(prefill_min_queries=2, decode_max_queries=1, prefill_pass=TILED)
+    # row, chunk column, guard or scale in the resident load differs. The history starts
+    # the single-row calls mid-tile. (Several batch rows only come as prompts, whose rows
+    # share positions, so no call can tell a table row of the wrong batch row.)
+    fields = dict(SMALL_TILES) if tiles == "small" else dict(_TILED_ONLY)
     resident, prepared = executor_for(executor, fields), executor_for(executor, dict(fields, prefill_resident_query=False))
-    config = CaseConfig(seq_len=75, past_lengths=(21,), max_cache_len=160, sparse_block_size=64, head_size=head_size, num_heads=4,
-                        kv_num_heads=2, local_blocks=1, vert_stride=2, packed=True, **rotary)
+    config = CaseConfig(**dict(dict(seq_len=75, past_lengths=(21,), max_cache_len=160, sparse_block_size=64, head_size=head_size, num_heads=4,
+                                    kv_num_heads=2, local_blocks=1, vert_stride=2, packed=True), **case))
     inputs = random_inputs(config, rng)
     shape = build_call(inputs, OpAttributes.from_mapping(config.node_attributes())).shape
-    assert resident.tuning.prefill_tiling(shape).resident_query and not prepared.tuning.prefill_tiling(shape).resident_query
+    tiling = resident.tuning.prefill_tiling(shape)
+    assert tiling.resident_query and not prepared.tuning.prefill_tiling(shape).resident_query
+    if head_size == 136:
+        assert tiling.head_vec % tiling.depth_chunk, tiling
+    if tiles == "small":
+        assert (tiling.query_tile * tiling.depth_chunk) % tiling.workgroup and (tiling.key_tile * tiling.depth_chunk) % tiling.workgroup
     expected = run_executor(prepared, inputs, config.node_attributes(), "prepared")
     output = run_executor(resident, inputs, config.node_attributes(), "resident")[0]
     assert_matches_reference(expected, inputs, config.node_attributes(), what="prepared queries")

@@ -210,7 +210,8 @@ _LAYOUT_UNIFORMS = (("seq_len", "u32"), ("num_heads", "u32"), ("kv_num_heads", "
 
 
 def _prefill_bindings(cache: CacheFormat) -> tuple[Binding, ...]:
-    """The prefill passes read prepared queries and the cache, and write the output."""
+    """What the rows pass and a tiled pass without resident queries bind: the prepared
+    queries (query_prep's), the cache, and the output."""
     return _attention_reads("prepared_query", cache) + (Binding("output", VEC4, writable=True),)
 
 

@@ -325,7 +325,7 @@ class Tuning:
         if not (tiling.valid() and tiling.workgroup_bytes() <= self.workgroup_storage_bytes):
             # Too big for this adapter: of the smaller tiles and chunks that fit, the one with
             # the most reuse (Q.K^T flops per staged Q or K element: TQ*TK / (TQ+TK)), then the
-            # fewest barriers per key (each staging step costs two).
+            # fewest barriers per key (barriers_per_key).
             fitting = [t for t in _halvings(tiling) if t.valid() and t.workgroup_bytes() <= self.workgroup_storage_bytes]
             if not fitting:
                 return None
