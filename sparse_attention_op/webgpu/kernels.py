@@ -209,10 +209,17 @@ _LAYOUT_UNIFORMS = (("seq_len", "u32"), ("num_heads", "u32"), ("kv_num_heads", "
                     ("num_layout", "u32"), ("max_blocks", "u32"), ("block_size", "u32"), ("block_shift", "u32"))
 
 
-def _prefill_bindings(cache: CacheFormat) -> tuple[Binding, ...]:
-    """What the rows pass and a tiled pass without resident queries bind: the prepared
-    queries (query_prep's), the cache, and the output."""
-    return _attention_reads("prepared_query", cache) + (Binding("output", VEC4, writable=True),)
+def _prefill_bindings(cache: CacheFormat, query: str = "prepared_query") -> tuple[Binding, ...]:
+    """What the prefill passes bind: their queries (query_prep's, unless a tiled pass
+    prepares the call's own), the cache, and the output."""
+    return _attention_reads(query, cache) + (Binding("output", VEC4, writable=True),)
+
+
+def prepares_queries(shape: CallShape, tuning: Tuning) -> bool:
+    """Whether the call runs query_prep before its attention: the rows pass, and the tiled
+    pass where its queries do not stay in registers (PrefillTiling.resident_query)."""
+    route = tuning.attention_route(shape)
+    return route == ROWS or (route == TILED and not tuning.prefill_tiling(shape).resident_query)
 
 
 #: Where a pass that rotates and scales the call's queries itself finds them.
@@ -230,7 +237,7 @@ def prefill_tiled(shape: CallShape, tiling: PrefillTiling, cache: CacheFormat, r
     uniforms = _layout_uniforms(shape, cache)
     if tiling.resident_query:
         rotary_constants, rotary_bindings = _rotary(shape)
-        bindings = _attention_reads("query", cache) + (Binding("output", VEC4, writable=True),) + rotary_bindings
+        bindings = _prefill_bindings(cache, query="query") + rotary_bindings
         declared = _LAYOUT_UNIFORMS + _QUERY_UNIFORMS
         uniforms.update(_query_uniforms(shape))
     else:
@@ -349,14 +356,15 @@ def scratch_bytes(shape: CallShape, tuning: Tuning) -> dict[str, int]:
             # slice of each query resets its count), so shared by every node and call.
             scratch["slice_counts"] = queries * 4
         return scratch
-    if route == ROWS or (route == TILED and not tuning.prefill_tiling(shape).resident_query):
+    if prepares_queries(shape, tuning):
         return {"prepared_query": queries * shape.head_size * 4}
     return {}
 
 
 def call_dispatches(shape: CallShape, tuning: Tuning, cache: CacheFormat, resources: Mapping[str, BufferRange]) -> list[Dispatch]:
-    """Every dispatch of one call, in order: the new rows into the cache (kv_append), then the
-    attention by the pass its shape suits (tuning.attention_route). Split-K decode on GPUs
+    """Every dispatch of one call, in order: the new rows into the cache (kv_append), the
+    queries prepared where the pass needs it (prepares_queries), then the attention by the
+    pass its shape suits (tuning.attention_route). Split-K decode on GPUs
     writes the new rows in its merge instead (Tuning.decode_fused_append), and merges in its
     split pass's last slices (Tuning.decode_split_merges): one dispatch per decode step."""
     route = tuning.attention_route(shape)
@@ -368,10 +376,11 @@ def call_dispatches(shape: CallShape, tuning: Tuning, cache: CacheFormat, resour
         else:
             passes = [decode_split(shape, split, splits, cache, resources, fused), decode_merge(shape, tuning, splits, cache, resources, fused)]
     elif route == TILED:
-        tiling = tuning.prefill_tiling(shape)
-        passes = ([] if tiling.resident_query else [query_prep(shape, tuning, resources)]) + [prefill_tiled(shape, tiling, cache, resources)]
+        passes = [prefill_tiled(shape, tuning.prefill_tiling(shape), cache, resources)]
     elif route == ROWS:
-        passes = [query_prep(shape, tuning, resources), prefill_rows(shape, tuning, cache, resources)]
+        passes = [prefill_rows(shape, tuning, cache, resources)]
     else:
         passes = [attention(shape, tuning, cache, resources)]
+    if prepares_queries(shape, tuning):
+        passes = [query_prep(shape, tuning, resources)] + passes
     return passes if fused else [kv_append(shape, tuning, cache, resources)] + passes

@@ -96,17 +96,20 @@ class PrefillTiling:
         return self.key_tile // 4 + 1
 
     @property
+    def depth_steps(self) -> int:
+        """Q/K staging steps per key tile (the template's D_CHUNKS)."""
+        return -(-self.head_vec // self.depth_chunk)
+
+    @property
     def resident_query_vec4(self) -> int:
         """Registers (in vec4s) each invocation holds the tile's queries in with
         resident_query: the Q vec4s it stages per depth chunk, for every chunk."""
-        depth_steps = -(-self.head_vec // self.depth_chunk)
-        return -(-self.query_tile * self.depth_chunk // self.workgroup) * depth_steps
+        return -(-self.query_tile * self.depth_chunk // self.workgroup) * self.depth_steps
 
     def barriers_per_key(self) -> float:
         """Barriers per key tile (one per staging step and one before the first, two for the
         softmax, two per further V chunk), per key."""
-        depth_steps = -(-self.head_vec // self.depth_chunk)
-        return (depth_steps + 1 + 2 + 2 * (self.key_tile // self.value_chunk - 1)) / self.key_tile
+        return (self.depth_steps + 1 + 2 + 2 * (self.key_tile // self.value_chunk - 1)) / self.key_tile
 
     def workgroup_bytes(self) -> int:
         row_parts = self.query_tile * self.key_threads * 4
