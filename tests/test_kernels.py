@@ -38,8 +38,8 @@ ROUTES = {
     "split-merge-pass": dict(decode_max_queries=4096, decode_target_workgroups=4096, decode_min_keys_per_split=3, decode_fused_append=True,
                              decode_split_merges=False),
     # One slice per query in small tiles (64 invocations: 32 keys a tile at head size 16), so
-    # a slice walks several tiles; fused, so only the tile that holds this call's own rows may
-    # take the readers of the inputs (CPU adapters' own tuning does not fuse).
+    # a slice walks several history tiles before the tile of this call's own rows, the only
+    # one that reads the inputs; fused (CPU adapters' own tuning does not fuse).
     "split-tiles": dict(decode_max_queries=4096, decode_target_workgroups=1, decode_workgroup=64, decode_fused_append=True,
                         decode_split_merges=True),
     ROWS: dict(prefill_pass=ROWS, rows_lanes=8, rows_query_regs=2, prefill_min_queries=1, decode_max_queries=0),
@@ -292,6 +292,20 @@ def test_split_k_short_chunk_decode_chain(executor, rng, route):
         step = dataclasses.replace(config, seq_len=seq_len, past_lengths=tuple(int(v) for v in lengths), prompt_lengths=None)
         outputs = check(runner, step, rng, SPLIT, past=outputs[1:], node_key="chain")
         lengths = lengths + seq_len
+
+
+@pytest.mark.parametrize("route", [SPLIT, "split-unfused", "split-tiles", "split-merge-pass"])
+def test_chunk_whose_last_slots_hold_history_rows(executor, rng, route):
+    # A chunk of 4 at positions 14..17 (blocks of 8) crosses into block row 2, which layout 1
+    # lets see blocks 0 and 2 but not 1: query 17's last four slots are rows 6, 7, 16, 17, so
+    # the tile of a query's own slots must still read its history rows from the cache.
+    runner, _ = forced(executor, route)
+    config = CaseConfig(seq_len=4, past_lengths=(14,), max_cache_len=32, sparse_block_size=8, num_layout=2)
+    inputs = random_inputs(config, rng)
+    rows = np.array([[0, 1, 3, 6, 10], [0, 1, 3, 5, 9]], np.int32)
+    cols = np.array([[0, 0, 1, 0, 1, 2, 0, 1, 2, 3], [0, 0, 1, 0, 2, 0, 1, 2, 3, -1]], np.int32)
+    inputs.update(block_row_indices=rows, block_col_indices=cols)
+    check(runner, config, rng, SPLIT, inputs=inputs)
 
 
 @pytest.mark.parametrize("fields, passes", [
