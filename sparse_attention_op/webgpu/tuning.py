@@ -267,7 +267,8 @@ class Tuning:
     #: ones read disjoint slices in parallel. H200: 64 slower in every sweep.
     merge_workgroup: int = 256
     #: Decode writes its new rows into the cache where it merges (the merge pass, or the
-    #: split pass's last slices), and the split pass reads them from the inputs, instead of
+    #: split pass's last slices), and the split pass reads them from the inputs (only in the
+    #: tiles that reach a query's last t + 1 slots: decode_split.wgsl.jinja), instead of
     #: a KV-append pass before them: one dispatch (and its host calls) less per step. Needs
     #: 11 storage buffers per pass with rotary (a split pass that also merges: 14).
     decode_fused_append: bool = True
