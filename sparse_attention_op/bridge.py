@@ -278,7 +278,7 @@ class _Tickets:
         if issued is None or issued[0] != number:
             raise SparseAttentionError(
                 f"SparseAttention: ticket {number} of node {node_key} was not issued by its plan op on this thread: the node's "
-                "ops must run on one thread, in order (sequential execution, which sparse_attention_op.session.session_options() sets)")
+                "ops must run on one thread, in order (ORT_SEQUENTIAL execution; sparse_attention_op.session.session_options() refuses ORT_PARALLEL)")
         return issued
 
     def forget(self, token: str) -> None:

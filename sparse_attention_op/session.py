@@ -11,6 +11,7 @@ from onnxruntime_extensions import get_library_path
 
 from .bridge import KV_CHECKS, records, register
 from .model import ModelLike, prepare_model
+from .spec import SparseAttentionError
 
 #: Marks SessionOptions that already carry the extensions library: registering it twice on
 #: one options object makes session creation fail ("Conflicting with a registered kernel").
@@ -30,22 +31,40 @@ def _close_session(token: str) -> None:
 
 
 def session_options(sess_options: ort.SessionOptions | None = None) -> ort.SessionOptions:
-    """Options with the custom-op library registered once and sequential execution.
+    """``sess_options`` (or new options) with the custom-op library registered once.
 
-    Sequential execution keeps each node on the thread that called ``run``: the cache
-    check and the kernel of one node must see the same per-thread state, and a refused
-    call's error finds its way back to that ``run``. The bridge's ops are registered first:
-    the library lists the PyOps defined when it is added to the options.
+    Options that ask for ``ORT_PARALLEL`` execution are refused, before anything is
+    registered on them: the bridge's ops of one node must run in order on the thread that
+    called ``run`` (the cache check and the kernel share per-thread state, and a refused
+    call's error finds its way back to that ``run``). Nothing else about the options changes.
+    The bridge's ops are registered first: the library lists the PyOps defined when it is
+    added to the options.
     """
-    register()
     options = sess_options if sess_options is not None else ort.SessionOptions()
+    if options.execution_mode != ort.ExecutionMode.ORT_SEQUENTIAL:
+        raise SparseAttentionError(
+            f"sess_options.execution_mode is {options.execution_mode.name}: SparseAttention's bridge ops must run "
+            "in order on the thread that calls run, so only ORT_SEQUENTIAL (ONNX Runtime's default) is supported")
+    register()
     try:
         options.get_session_config_entry(_REGISTERED_MARK)
     except RuntimeError:  # the mark is absent: first use of these options
         options.register_custom_ops_library(get_library_path())
         options.add_session_config_entry(_REGISTERED_MARK, "1")
-    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     return options
+
+
+def _quiet_run_options() -> ort.RunOptions:
+    """Run options whose log shows only fatal messages. When a call is refused, ORT logs an
+    error naming the node that stopped after the refusal (a Reshape, not SparseAttention),
+    in colour on stderr, before the exception that names the input and the rule it broke."""
+    options = ort.RunOptions()
+    options.log_severity_level = 4
+    return options
+
+
+#: The run options of calls that pass none (read-only after this, so shared by every thread).
+_QUIET_RUN = _quiet_run_options()
 
 
 class SparseAttentionSession(ort.InferenceSession):
@@ -89,13 +108,13 @@ class SparseAttentionSession(ort.InferenceSession):
         return result
 
     def run(self, output_names, input_feed, run_options=None):
-        return self._checked(super().run, output_names, input_feed, run_options)
+        return self._checked(super().run, output_names, input_feed, run_options or _QUIET_RUN)
 
     def run_with_ort_values(self, output_names, input_dict_ort_values, run_options=None):
-        return self._checked(super().run_with_ort_values, output_names, input_dict_ort_values, run_options)
+        return self._checked(super().run_with_ort_values, output_names, input_dict_ort_values, run_options or _QUIET_RUN)
 
     def run_with_iobinding(self, iobinding, run_options=None):
-        return self._checked(super().run_with_iobinding, iobinding, run_options)
+        return self._checked(super().run_with_iobinding, iobinding, run_options or _QUIET_RUN)
 
 
 def create_session(

@@ -207,11 +207,15 @@ def decode_session(rng):
 
 
 @pytest.mark.gpu
-def test_bad_call_raises_naming_the_input_and_session_recovers(executor, rng):
+def test_bad_call_raises_naming_the_input_and_session_recovers(executor, rng, capfd):
     config, session, inputs, feeds = decode_session(rng)
     bad = dict(feeds, key_total_sequence_lengths=np.array([99], np.int32))
+    capfd.readouterr()
     with pytest.raises(sao.SparseAttentionInputError, match="key_total_sequence_lengths"):
         session.run(None, bad)
+    # The exception says it all: ORT's log line about the node that stopped after the
+    # refusal (written by its C++ code to the process's stderr) stays quiet.
+    assert "onnxruntime" not in capfd.readouterr().err
     outputs = session.run(None, feeds)
     assert_matches_reference(outputs, inputs, config.node_attributes())
 
@@ -339,8 +343,22 @@ def test_user_session_options_are_kept_and_reusable(executor, rng):
     options.intra_op_num_threads = 1
     first = sao.create_session(model, sess_options=options)
     second = sao.create_session(model, sess_options=options)  # registering twice would fail
+    assert options.intra_op_num_threads == 1
     for session in (first, second):
         assert_matches_reference(session.run(None, graph_feeds(session, inputs)), inputs, config.node_attributes())
+
+
+def test_parallel_execution_is_refused_at_session_creation(rng):
+    """Refused before the session exists (no GPU work), and the options are left as they were."""
+    model, _ = model_and_inputs(CaseConfig(seq_len=3), rng)
+    options = ort.SessionOptions()
+    options.execution_mode = ort.ExecutionMode.ORT_PARALLEL
+    for attempt in (lambda: sao.create_session(model, sess_options=options), lambda: sao.session.session_options(options)):
+        with pytest.raises(sao.SparseAttentionError, match="execution_mode is ORT_PARALLEL.*only ORT_SEQUENTIAL"):
+            attempt()
+    assert options.execution_mode == ort.ExecutionMode.ORT_PARALLEL
+    with pytest.raises(RuntimeError):  # nothing was registered on them either
+        options.get_session_config_entry("sparse_attention_op.custom_ops_registered")
 
 
 def test_plan_tickets_belong_to_their_node_and_thread():
