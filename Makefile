@@ -29,9 +29,11 @@ $(STAMP): pyproject.toml
 
 # Ask wgpu itself whether it sees a native (Vulkan/Metal/D3D12) adapter; only when it sees
 # none, install lavapipe. OpenGL adapters do not count: the kernels need a native backend.
+# The question is about the machine, so a SPARSE_ATTENTION_OP_ADAPTER choice is left out
+# of it (one that matches nothing is reported, not answered with a driver install).
 vulkan: $(STAMP)
-	@if $(PY) -m sparse_attention_op adapters --native >/dev/null 2>&1; then \
-	  echo "wgpu adapter: $$($(PY) -m sparse_attention_op adapters | head -n 1)"; \
+	@if env -u SPARSE_ATTENTION_OP_ADAPTER $(PY) -m sparse_attention_op adapters --native >/dev/null 2>&1; then \
+	  echo "wgpu adapter: $$($(PY) -m sparse_attention_op adapters 2>&1 | head -n 1)"; \
 	else \
 	  echo "no wgpu adapter found: installing Mesa's software Vulkan driver (lavapipe)"; \
 	  SUDO=$$(command -v sudo >/dev/null && [ "$$(id -u)" != 0 ] && echo sudo); \

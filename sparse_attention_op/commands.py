@@ -33,7 +33,9 @@ def info(args: argparse.Namespace) -> int:
     print(format_table(["package", "version"], list(report["versions"].items())))
     print("\nadapters (best first; SPARSE_ATTENTION_OP_ADAPTER picks another):")
     if not report["adapters"]:
-        print("  none: install a Vulkan driver (make setup installs Mesa's lavapipe)")
+        from .webgpu.device import no_adapter_reason
+
+        print(f"  none: {no_adapter_reason()}")
         return 1
     print(format_table(["#", "adapter", "vendor", "driver"], [[i, a["description"], a["vendor"], a["driver"]] for i, a in enumerate(report["adapters"])], "  "))
     chosen = report["chosen"]
@@ -290,14 +292,16 @@ def export_demo(args: argparse.Namespace) -> int:
 
 
 def adapters(args: argparse.Namespace) -> int:
-    from .webgpu.device import describe, list_adapters
+    from .webgpu.device import describe, list_adapters, no_adapter_reason
 
     found = list_adapters()
+    if not found:
+        raise RuntimeError(no_adapter_reason())
     if args.native:
         # OpenGL adapters lack what the kernels need (storage limits, compute robustness).
         found = [a for a in found if a.info.get("backend_type") != "OpenGL"]
-    if not found:
-        raise RuntimeError("no wgpu adapter found" + (" on a native backend (Vulkan, Metal, D3D12)" if args.native else ""))
+        if not found:
+            raise RuntimeError("no wgpu adapter on a native backend (Vulkan, Metal, D3D12), only OpenGL ones")
     for adapter in found:
         print(describe(adapter))
     return 0

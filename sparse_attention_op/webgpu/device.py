@@ -68,11 +68,12 @@ def describe(adapter) -> str:
     return f"{info.get('device', '?')} ({info.get('adapter_type', '?')}, {info.get('backend_type', '?')})"
 
 
-def list_adapters() -> list:
-    """Adapters in preference order (best first), after the environment filter."""
+def list_adapters(*, chosen_by_environment: bool = True) -> list:
+    """Adapters in preference order (best first), after the environment's filter
+    (``chosen_by_environment=False``: every adapter wgpu enumerates)."""
     adapters = list(wgpu.gpu.enumerate_adapters_sync())
     wanted = os.environ.get(ADAPTER_ENV, "").strip().lower()
-    if wanted:
+    if wanted and chosen_by_environment:
         adapters = [a for a in adapters if wanted in describe(a).lower() or wanted in a.summary.lower()]
 
     def rank(adapter):
@@ -83,14 +84,23 @@ def list_adapters() -> list:
     return sorted(adapters, key=rank)
 
 
+def no_adapter_reason() -> str:
+    """Why :func:`list_adapters` came back empty, and what to do: a choice in the environment
+    that matches nothing is named with what it could match (installing a driver would not help)."""
+    wanted = os.environ.get(ADAPTER_ENV, "").strip()
+    if wanted:
+        present = [describe(a) for a in list_adapters(chosen_by_environment=False)]
+        if present:
+            return (f"{ADAPTER_ENV}={wanted!r} matches none of wgpu's adapters ({'; '.join(present)}): "
+                    "unset it, or set it to part of one of those names")
+    return ("wgpu found no GPU adapter. On a machine without a GPU install Mesa's software Vulkan driver "
+            "(Debian/Ubuntu: apt-get install mesa-vulkan-drivers), or run `make setup`")
+
+
 def _create_context() -> GpuContext:
     adapters = list_adapters()
     if not adapters:
-        hint = f" matching {ADAPTER_ENV}={os.environ[ADAPTER_ENV]!r}" if os.environ.get(ADAPTER_ENV) else ""
-        raise NoAdapterError(
-            f"wgpu found no GPU adapter{hint}. On a machine without a GPU install Mesa's software "
-            "Vulkan driver (Debian/Ubuntu: apt-get install mesa-vulkan-drivers), or run `make setup`."
-        )
+        raise NoAdapterError(no_adapter_reason())
     adapter = adapters[0]
     limits = {name: adapter.limits[name] for name in RAISED_LIMITS if name in adapter.limits}
     features = [f for f in OPTIONAL_FEATURES if f in adapter.features]
