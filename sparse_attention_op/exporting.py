@@ -19,6 +19,7 @@ import onnx
 from .decoder_models import BUNDLED_MODELS, DecoderConfig, write_model_folder
 from .graphs import sparse_attention_model
 from .inputs import CaseConfig, random_inputs
+from .spec import OpAttributes, SparseAttentionError, build_call
 
 DEFAULT_PRESET = "phi3-small-tiny"
 #: DecoderConfig fields the command line may override (--layers 6, --dtype float16, ...).
@@ -56,9 +57,14 @@ def export_graph(args: argparse.Namespace) -> list[Path]:
         past_lengths=None if args.past is None else (args.past,) * args.batch, packed=args.packed,
         do_rotary=args.rotary, rotary_interleaved=args.interleaved, rotary_dim=args.rotary_dim,
     )
+    for option, given in (("--rotary-dim", args.rotary_dim is not None), ("--interleaved", args.interleaved)):
+        if given and not args.rotary:
+            raise ValueError(f"{option} applies to the rotary embedding: add --rotary")
     _check_graph_config(config)
     inputs = random_inputs(config, np.random.default_rng(args.seed))
-    model = sparse_attention_model(config.node_attributes(), inputs, constants=("block_row_indices", "block_col_indices"))
+    _check_against_spec(config, inputs)
+    model = sparse_attention_model(config.node_attributes(), inputs, constants=("block_row_indices", "block_col_indices"),
+                                   shapes=declared_shapes(config))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(model, str(args.output))
     written = [args.output]
@@ -84,6 +90,35 @@ def _check_graph_config(config: CaseConfig) -> None:
         raise ValueError(f"--past + --seq-len = {past + config.seq_len} must fit --max-cache-len {config.max_cache_len}")
     if config.max_cache_len % config.sparse_block_size:
         raise ValueError(f"--max-cache-len {config.max_cache_len} must be a multiple of --block {config.sparse_block_size}")
+
+
+def _check_against_spec(config: CaseConfig, inputs: dict) -> None:
+    """The node must be one SparseAttention accepts: spec.py's rules, applied to the feeds
+    as the op applies them to a call (head sizes, rotary widths, the layout), before any
+    file is written."""
+    try:
+        build_call(inputs, OpAttributes.from_mapping(config.node_attributes()))
+    except SparseAttentionError as error:
+        raise ValueError(f"these options make a graph SparseAttention refuses: {error}") from None
+
+
+def declared_shapes(config: CaseConfig) -> dict[str, list]:
+    """The graph's input and output shapes: sizes where the node's attributes fix them (head
+    widths), names where a call chooses them, so that ``run`` sizes random feeds for the
+    graph without being told its head size."""
+    batch, seq, cache = "batch_size", "sequence_length", "max_cache_len"
+    heads, kv_heads, head = config.num_heads, config.kv_num_heads, config.head_size
+    cache_shape = [batch, kv_heads, cache, head]
+    shapes = {
+        "query": [batch, seq, (heads + 2 * kv_heads if config.packed else heads) * head],
+        "key": [batch, seq, kv_heads * head], "value": [batch, seq, kv_heads * head],
+        "past_key": cache_shape, "past_value": cache_shape,
+        "total_sequence_length": [1], "key_total_sequence_lengths": [batch],
+        "output": [batch, seq, heads * head], "present_key": cache_shape, "present_value": cache_shape,
+    }
+    if config.do_rotary:
+        shapes["cos_cache"] = shapes["sin_cache"] = ["max_rotary_len", (config.rotary_dim or head) // 2]
+    return shapes
 
 
 def add_decoder_options(parser: argparse.ArgumentParser) -> None:

@@ -7,7 +7,7 @@ refuses (docs/design.md section 2).
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -35,6 +35,7 @@ def sparse_attention_model(
     float_dtype=np.float32,
     node_name: str = "sparse_attention",
     declare_ranks: bool = True,
+    shapes: Mapping[str, Sequence[int | str | None]] | None = None,
 ) -> onnx.ModelProto:
     """A one-node model: graph inputs for every present input, outputs output/present_*.
 
@@ -43,7 +44,14 @@ def sparse_attention_model(
     inputs (key/value for packed QKV, cos/sin without rotary) are left out of the node.
     With ``declare_ranks=False`` graph inputs carry no shape, so ONNX Runtime hands any
     tensor to the op (the validation tests use this to reach the op's own checks).
+    ``shapes`` declares the shapes of the graph inputs and outputs it names (sizes, symbolic
+    names, None for an unnamed dim); the others declare their rank alone.
     """
+    shapes = shapes or {}
+
+    def declared(name: str, dtype, rank: int) -> onnx.ValueInfoProto:
+        return _value_info(name, dtype, shapes.get(name, rank))
+
     inputs, initializers, node_inputs = [], [], []
     for name in INPUT_NAMES:
         array = example_inputs.get(name)
@@ -56,11 +64,11 @@ def sparse_attention_model(
         if name in constants:
             initializers.append(numpy_helper.from_array(array.astype(dtype), name))
         else:
-            inputs.append(_value_info(name, dtype, array.ndim) if declare_ranks else helper.make_tensor_value_info(name, _ELEM_TYPES[np.dtype(dtype)], None))
+            inputs.append(declared(name, dtype, array.ndim) if declare_ranks else helper.make_tensor_value_info(name, _ELEM_TYPES[np.dtype(dtype)], None))
     while node_inputs and not node_inputs[-1]:
         node_inputs.pop()
     node = helper.make_node(OP_TYPE, node_inputs, list(OUTPUT_NAMES), name=node_name, domain=DOMAIN, **dict(attributes))
-    outputs = [_value_info("output", float_dtype, 3), _value_info("present_key", float_dtype, 4), _value_info("present_value", float_dtype, 4)]
+    outputs = [declared("output", float_dtype, 3), declared("present_key", float_dtype, 4), declared("present_value", float_dtype, 4)]
     graph = helper.make_graph([node], "sparse_attention", inputs, outputs, initializers)
     # The checker insists on shapes for graph inputs; ONNX Runtime does not.
     return finish_model(graph, check=declare_ranks)

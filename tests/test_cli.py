@@ -118,6 +118,30 @@ def test_run_with_given_feeds_and_their_errors(capsys, tmp_path):
     assert_one_line_error(code, err, "partial.npz lacks graph input(s) 'query'")
 
 
+def test_an_exported_graph_runs_without_being_told_its_head_size(capsys, tmp_path):
+    graph = tmp_path / "graph.onnx"
+    code, _, err = run_cli(capsys, "export", "graph", graph, "--rotary", "--rotary-dim", 16, "--head-size", 48, "--packed")
+    assert code == 0, err
+    code, out, err = run_cli(capsys, "run", graph, "--past", 5, "--compare-ort")
+    assert code == 0 and out.count(" yes") == 3, out + err
+    assert "query [1, 8, 384]" in out and "cos_cache [13, 8]" in out  # (4 + 2 * 2) * 48; rotary_dim / 2
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--head-size", 12], "SparseAttention input 'query': head_size must be a positive multiple of 8, got 12"),
+    (["--block", 12, "--max-cache-len", 48], "'sparse_block_size': must be a positive power of two"),
+    (["--rotary", "--rotary-dim", 8], "'cos_cache': dimension 1 (rotary_dim / 2) must be a positive multiple of 8"),
+    (["--rotary", "--head-size", 24], "head_size must be a multiple of 16 when do_rotary = 1"),
+    (["--rotary-dim", 16], "--rotary-dim applies to the rotary embedding: add --rotary"),
+    (["--interleaved"], "--interleaved applies to the rotary embedding: add --rotary"),
+])
+def test_export_graph_refuses_what_the_op_would_refuse(capsys, tmp_path, options, message):
+    graph = tmp_path / "graph.onnx"
+    code, _, err = run_cli(capsys, "export", "graph", graph, *options)
+    assert_one_line_error(code, err, "export: error:", message)
+    assert not graph.exists()
+
+
 def test_generate_json_matches_the_api_and_ort(capsys, tmp_path):
     out_json = tmp_path / "tokens.json"
     code, out, err = run_cli(capsys, "generate", TINY, "--prompt-ids", "5,17,33", "--prompt-ids", "9,8,7,6,5,4,3,2,40,41",
