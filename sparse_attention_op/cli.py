@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("info", commands.info, "versions, wgpu adapters, and the chosen adapter's features, limits and tuning")
     p.add_argument("--json", metavar="OUT", help="write the report as JSON to OUT ('-': stdout)")
 
-    p = command("inspect", commands.inspect, "SparseAttention nodes, their attributes and inputs, layout densities, what runs where")
+    p = command("inspect", commands.inspect, "SparseAttention nodes, their attributes and inputs, layout densities, what runs where, "
+                "and whether create_session loads the model (exit 1 if it would refuse it)")
     model_argument(p)
     p.add_argument("--json", metavar="OUT", help="write the report as JSON to OUT ('-': stdout)")
 

@@ -57,7 +57,7 @@ def inspect(args: argparse.Namespace) -> int:
         _write_json(report.to_dict(), args.json)
     else:
         print(format_report(report))
-    return 0
+    return 0 if report.refused is None else 1
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,8 +4,9 @@ For each SparseAttention node: its attributes and the inputs as the model declar
 (dtype, shape with symbolic dims, and whether a graph input, a constant or computed). For
 each layout: the density of every layout (selected causal blocks over all causal blocks,
 read with ORT's CSR rules, reference.block_mask) when the CSR is constant, "per call"
-when it is not. And the placement: SparseAttention runs on WebGPU through the bridge's
-PyOps; every other node stays on ONNX Runtime's CPU kernels, counted by op type.
+when it is not. The placement: SparseAttention runs on WebGPU through the bridge's
+PyOps; every other node stays on ONNX Runtime's CPU kernels, counted by op type. And the
+verdict: whether create_session loads the model, or the rule that makes it refuse.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
 from .model import is_sparse_attention, node_attributes
 from .model_files import ModelFiles
-from .spec import INPUT_NAMES, OUTPUT_NAMES
+from .spec import INPUT_NAMES, OUTPUT_NAMES, SparseAttentionError
 
 WEBGPU = "WebGPU (SparseAttention through the bridge's PyOps)"
 ORT_CPU = "ONNX Runtime CPU"
@@ -85,6 +86,7 @@ class ModelReport:
     nodes: list[NodeInfo]
     layouts: list[LayoutInfo]
     placement: dict[str, dict[str, int]] = field(default_factory=dict)  # device -> op type -> count
+    refused: str | None = None  # why create_session would refuse the model; None: it loads it
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -128,7 +130,33 @@ def inspect_model(model: onnx.ModelProto, files: ModelFiles) -> ModelReport:
         nodes=nodes,
         layouts=list(layouts.values()),
         placement=placement(graph),
+        refused=refusal(model, Path(files.onnx_path).parent),
     )
+
+
+def refusal(model: onnx.ModelProto, base_dir: Path) -> str | None:
+    """Why create_session would refuse ``model`` (the model-level rules prepare_model applies:
+    attributes, input types, constant layouts), or None. Layouts kept in external files are
+    read for it; other weights are not."""
+    from .model import prepare_model
+
+    checked = onnx.ModelProto()
+    checked.CopyFrom(model)
+    for tensor in checked.graph.initializer:
+        if tensor.name in _layout_names(checked.graph) and external_data_helper.uses_external_data(tensor):
+            external_data_helper.load_external_data_for_tensor(tensor, str(base_dir))
+            tensor.data_location = onnx.TensorProto.DEFAULT
+    try:
+        prepare_model(checked)
+    except SparseAttentionError as error:
+        return str(error)
+    return None
+
+
+def _layout_names(graph: onnx.GraphProto) -> set[str]:
+    layout_slots = [INPUT_NAMES.index("block_row_indices"), INPUT_NAMES.index("block_col_indices")]
+    return {node.input[slot] for node in all_nodes(graph) if is_sparse_attention(node)
+            for slot in layout_slots if slot < len(node.input)}
 
 
 def placement(graph: onnx.GraphProto) -> dict[str, dict[str, int]]:
@@ -173,6 +201,8 @@ def format_report(report: ModelReport) -> str:
         total = sum(counts.values())
         detail = ", ".join(f"{op} {n}" for op, n in counts.items())
         lines.append(f"  {side}: {total} node(s)" + (f": {detail}" if detail else ""))
+    verdict = "loads this model" if report.refused is None else f"refuses this model: {report.refused}"
+    lines += ["", f"create_session {verdict}"]
     return "\n".join(lines)
 
 

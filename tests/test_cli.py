@@ -81,8 +81,30 @@ def test_inspect_a_genai_folder(capsys):
     [layout] = report["layouts"]
     assert layout["num_layout"] == 8 and len(layout["density"]) == 8 and all(0 < d < 1 for d in layout["density"])
     assert report["placement"]["ONNX Runtime CPU"]["com.microsoft.GroupQueryAttention"] == 2
+    assert report["refused"] is None
     code, out, _ = run_cli(capsys, "inspect", TINY / "model.onnx")
     assert code == 0 and "SparseAttention nodes: 2" in out and "density (selected/causal blocks)" in out
+    assert out.rstrip().endswith("create_session loads this model")
+
+
+def test_inspect_says_when_create_session_would_refuse_the_model(capsys, tmp_path):
+    """Every weight in external files (layouts included); then one layer's layout broken."""
+    model = onnx.load(str(TINY / "model.onnx"))
+    onnx.save(model, str(tmp_path / "external.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="weights.bin", size_threshold=0)
+    code, out, err = run_cli(capsys, "inspect", tmp_path / "external.onnx")
+    assert code == 0 and out.rstrip().endswith("create_session loads this model"), out + err
+    model = onnx.load(str(TINY / "model.onnx"))  # saving with external data rewrote the first copy's tensors
+    layout = next(n for n in model.graph.node if n.op_type == "SparseAttention").input[5]  # block_row_indices
+    rows = next(t for t in model.graph.initializer if t.name == layout)
+    broken = onnx.numpy_helper.to_array(rows).copy()
+    broken[0, 1] = broken[0, 2] + 1  # row offsets must not decrease
+    rows.CopyFrom(onnx.numpy_helper.from_array(broken, layout))
+    onnx.save(model, str(tmp_path / "broken_layout.onnx"))
+    code, out, _ = run_cli(capsys, "inspect", tmp_path / "broken_layout.onnx", "--json", "-")
+    assert code == 1 and "block_row_indices" in json.loads(out)["refused"]
+    code, out, _ = run_cli(capsys, "inspect", tmp_path / "broken_layout.onnx")
+    assert code == 1 and "create_session refuses this model: " in out
 
 
 def test_inspect_refuses_what_is_not_a_model(capsys, tmp_path):
