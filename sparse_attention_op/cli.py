@@ -48,6 +48,22 @@ def _positive(text: str) -> int:
     return value
 
 
+#: generate's options that only sampling reads, and their defaults (None in args: not given).
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+
+
+def resolve_generate_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Refuse generate's options that would be ignored (``parser.error``); fill sampling's defaults."""
+    given = [f"--{name.replace('_', '-')}" for name in (*SAMPLING_DEFAULTS, "seed") if getattr(args, name) is not None]
+    if given and not args.sample:
+        parser.error(f"{', '.join(given)} only apply with --sample (greedy decoding reads none of them)")
+    if args.no_stop and args.stop_ids is not None:
+        parser.error("--no-stop and --stop-ids contradict each other: give one of them")
+    for name, default in SAMPLING_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .benchmarking import sweep
     from .demo import DEFAULT_MODEL
@@ -103,9 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a row stops after emitting one of these (default: a GenAI folder's eos_token_id; none for a bare .onnx)")
     p.add_argument("--no-stop", action="store_true", help="never stop before --max-new-tokens")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy argmax")
-    p.add_argument("--temperature", type=float, default=1.0, help="with --sample (default %(default)s)")
-    p.add_argument("--top-k", type=int, default=0, help="with --sample: keep the k likeliest tokens (default 0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="with --sample: nucleus mass (default %(default)s)")
+    p.add_argument("--temperature", type=float, default=None, help=f"with --sample (default {SAMPLING_DEFAULTS['temperature']})")
+    p.add_argument("--top-k", type=int, default=None, help="with --sample: keep the k likeliest tokens (default 0: all)")
+    p.add_argument("--top-p", type=float, default=None, help=f"with --sample: nucleus mass (default {SAMPLING_DEFAULTS['top_p']})")
     p.add_argument("--seed", type=int, default=None, help="with --sample: seed of the draws")
     p.add_argument("--capacity", type=int, default=None, help="rows of each KV buffer (default: longest prompt + max new tokens)")
     kv_check_option(p, "fast")
@@ -148,6 +164,8 @@ def main(argv=None) -> int:
     ort.set_default_logger_severity(4)
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "generate":
+        resolve_generate_args(args, args.subparser)
     if args.command == "bench":
         from .benchmarking import sweep
 

@@ -92,6 +92,7 @@ def random_feeds(model: onnx.ModelProto, settings: FeedSettings, vocab_size: int
     settings.validate()
     rng = np.random.default_rng(settings.seed)
     graph = model.graph
+    _check_dim_names(graph, settings)
     initializers = {init.name for init in graph.initializer}
     uses = _attention_uses(model)
     feeds, notes = {}, []
@@ -106,6 +107,16 @@ def random_feeds(model: onnx.ModelProto, settings: FeedSettings, vocab_size: int
         shape = _shape(graph_input, use, settings)
         feeds[graph_input.name] = _value(graph_input.name, dtype, shape, use, settings, rng, graph, vocab_size, notes)
     return feeds, notes
+
+
+def _check_dim_names(graph: onnx.GraphProto, settings: FeedSettings) -> None:
+    """A --dim the graph inputs never name would be ignored: a typo, most likely."""
+    named = {dim.dim_param for graph_input in graph.input if graph_input.type.tensor_type.HasField("shape")
+             for dim in graph_input.type.tensor_type.shape.dim if dim.dim_param}
+    unknown = sorted(set(settings.dims) - named)
+    if unknown:
+        listed = ", ".join(sorted(named)) or "none"
+        raise FeedError(f"--dim {unknown[0]}: no graph input has a dim of that name (the named dims: {listed})")
 
 
 def check_feeds(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], source: str) -> dict[str, np.ndarray]:

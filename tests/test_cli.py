@@ -228,6 +228,27 @@ def test_bench_writes_json_and_a_plot(capsys, tmp_path):
     assert "every spot check passed" in out
 
 
+def test_options_that_would_be_ignored_are_refused(capsys, monkeypatch):
+    def usage_error(*argv) -> str:
+        with pytest.raises(SystemExit) as usage:
+            cli.main([str(a) for a in argv])
+        assert usage.value.code == 2
+        return capsys.readouterr().err
+
+    assert "--temperature, --seed only apply with --sample" in usage_error(
+        "generate", TINY, "--prompt-ids", "5", "--temperature", 0.5, "--seed", 3)
+    assert "--top-k only apply with --sample" in usage_error("generate", TINY, "--prompt-ids", "5", "--top-k", 4)
+    assert "--no-stop and --stop-ids contradict" in usage_error("generate", TINY, "--prompt-ids", "5", "--no-stop", "--stop-ids", "7")
+    monkeypatch.setattr("sparse_attention_op.benchmarking.sweep.import_torch_cuda", lambda: None)
+    assert "--torch needs torch with a CUDA device" in usage_error("bench", "--quick", "--torch")
+    code, _, err = run_cli(capsys, "run", TINY, "--dim", "total_sequnce_length=9")
+    assert_one_line_error(code, err, "--dim total_sequnce_length: no graph input has a dim of that name", "total_sequence_length")
+    # Given with --sample, they reach the sampler.
+    code, out, err = run_cli(capsys, "generate", TINY, "--prompt-ids", "5", "--max-new-tokens", 2, "--sample", "--temperature", 0.5,
+                             "--top-k", 3, "--seed", 1, "--json", "-", "--no-progress")
+    assert code == 0 and len(json.loads(out)["tokens"][0]) == 2, err
+
+
 def test_demo_passes(capsys):
     code, out, err = run_cli(capsys, "demo", "--prompt", 20, "--steps", 6)
     assert code == 0, out + err

@@ -539,6 +539,8 @@ def resolve_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> a
             import matplotlib  # noqa: F401  (checked before the sweep, not after it)
         except ImportError:
             parser.error(f"--plot needs matplotlib: {EXTRA}")
+    if args.torch and import_torch_cuda() is None:
+        parser.error("--torch needs torch with a CUDA device, and this Python has none (the baseline is CUDA's dense SDPA)")
     for history in args.decode:
         if not args.reps + 1 <= history < args.capacity:
             parser.error(f"decode history {history} must lie in [reps + 1, capacity) = [{args.reps + 1}, {args.capacity})")
