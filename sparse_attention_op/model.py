@@ -57,7 +57,7 @@ def prepare_model(model: ModelLike, *, session_token: str | None = None, kv_chec
     if kv_check not in KV_CHECKS:
         raise ValueError(f"kv_check must be one of {KV_CHECKS}, got {kv_check!r}")
     prepared = load_model(model)
-    check_bridge_format(prepared)
+    check_not_prepared(prepared)
     token = session_token or uuid.uuid4().hex
     main = prepared.graph
     types = tensor_types(prepared)
@@ -97,14 +97,20 @@ def bridge_format(model: onnx.ModelProto) -> int | None:
     return int(stamped) if stamped.isdigit() else 0
 
 
-def check_bridge_format(model: onnx.ModelProto) -> None:
-    """Refuse a model prepared for another bridge format: its ops' inputs and outputs are not
-    this version's, and ORT would only say that an op's output count is out of range."""
+def check_not_prepared(model: onnx.ModelProto) -> None:
+    """Refuse a model that holds the bridge's ops already. Its nodes carry the identity of the
+    session or folder it was prepared for: a session of it would share that GPU state, keep
+    that kv_check, and its refused calls would not reach it as exceptions. One prepared for
+    another bridge format is named as such: its ops' inputs and outputs are not this version's."""
     found = bridge_format(model)
     if found is not None and found != BRIDGE_FORMAT:
         raise SparseAttentionError(
             f"the model was prepared by a sparse_attention_op with bridge format {found}; this version runs format "
             f"{BRIDGE_FORMAT}: prepare the original model (the one with SparseAttention nodes) again")
+    if found is not None:
+        raise SparseAttentionError(
+            "the model is prepared already (it holds the bridge's ops, which belong to the session or GenAI folder it "
+            "was prepared for): pass the original model, the one with SparseAttention nodes")
 
 
 def _set_metadata(model: onnx.ModelProto, key: str, value: str) -> None:

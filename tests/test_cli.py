@@ -105,6 +105,14 @@ def test_inspect_says_when_create_session_would_refuse_the_model(capsys, tmp_pat
     assert code == 1 and "block_row_indices" in json.loads(out)["refused"]
     code, out, _ = run_cli(capsys, "inspect", tmp_path / "broken_layout.onnx")
     assert code == 1 and "create_session refuses this model: " in out
+    # A prepared model belongs to its session or folder: inspect says so, run and generate refuse it.
+    import sparse_attention_op as sao
+
+    onnx.save(sao.prepare_model(TINY / "model.onnx"), str(tmp_path / "prepared.onnx"))
+    code, out, _ = run_cli(capsys, "inspect", tmp_path / "prepared.onnx")
+    assert code == 1 and "refuses this model: the model is prepared already" in out
+    code, _, err = run_cli(capsys, "generate", tmp_path / "prepared.onnx", "--prompt-ids", "5", "--max-new-tokens", 2, "--no-progress")
+    assert_one_line_error(code, err, "the model is prepared already")
 
 
 def test_inspect_refuses_what_is_not_a_model(capsys, tmp_path):

@@ -73,10 +73,13 @@ def test_exact_nodes_slice_the_history_the_plan_op_names_without_a_check_op(rng)
     assert readers == ["ScatterND", "ScatterND", "Shape", "Shape", "Slice", "Slice"]
 
 
-def test_a_model_prepared_for_another_bridge_format_is_refused(rng):
+def test_a_prepared_model_is_refused(rng):
+    """Its nodes belong to another session or folder; one of another bridge format says so."""
     prepared = sao.prepare_model(model_and_inputs(CaseConfig(), rng)[0])
     assert {e.key: e.value for e in prepared.metadata_props}["sparse_attention_op.bridge_format"] == str(BRIDGE_FORMAT)
-    sao.prepare_model(prepared)  # this version's format: left as it is
+    for attempt in (sao.prepare_model, sao.create_session):
+        with pytest.raises(sao.SparseAttentionError, match="the model is prepared already .* pass the original model"):
+            attempt(prepared)
     del prepared.metadata_props[:]  # as models were prepared before the format was recorded
     with pytest.raises(sao.SparseAttentionError, match="bridge format 1; this version runs format 2: prepare the original model"):
         sao.create_session(prepared)
