@@ -59,12 +59,17 @@ class Sampling:
     def validate(self) -> None:
         if not self.do_sample:
             return  # greedy: the other fields are not used
+        for name in ("temperature", "top_p"):
+            if not _is_real(getattr(self, name)):
+                raise GenerationError(f"{name} must be a number, got {getattr(self, name)!r}")
         if not self.temperature > 0:
             raise GenerationError(f"temperature must be > 0, got {self.temperature!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise GenerationError(f"top_k must be an int >= 0 (0: no limit), got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
             raise GenerationError(f"top_p must lie in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
+            raise GenerationError(f"seed must be None or an int >= 0, got {self.seed!r}")
 
 
 @dataclass
@@ -207,7 +212,15 @@ def generate(
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
         raise GenerationError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     max_new_tokens = int(max_new_tokens)
+    if not isinstance(sampling, Sampling):
+        raise GenerationError(f"sampling must be a Sampling, got {type(sampling).__name__}")
     sampling.validate()
+    if not _is_int(pad_token_id) or pad_token_id < 0:
+        raise GenerationError(f"pad_token_id must be an int >= 0, got {pad_token_id!r}")
+    if on_step is not None and not callable(on_step):
+        raise GenerationError(f"on_step must be callable (step, new_tokens) or None, got {type(on_step).__name__}")
+    if cache_dims is not None and (len(tuple(cache_dims)) != 2 or not all(_is_int(d) and d > 0 for d in cache_dims)):
+        raise GenerationError(f"cache_dims must be (kv_heads, head_size), two ints > 0, got {cache_dims!r}")
     rows = _prompt_rows(prompts, attention_mask)
     stops = _token_set(stop_tokens, "stop_tokens")
     longest = max(map(len, rows))
@@ -217,9 +230,10 @@ def generate(
     capacity = int(capacity)
     session, hints = _session(model, kv_check)
     context = hints.get("context_length")
-    if context is not None and capacity > context:
-        raise GenerationError(f"the longest prompt ({longest}) plus max_new_tokens ({max_new_tokens}) needs {capacity} cache rows, "
-                              f"more than the model's context of {context} tokens (its cos/sin rows and layout)")
+    # The positions a call reaches must lie in the context; the buffers may hold more rows.
+    if context is not None and longest + max_new_tokens > context:
+        raise GenerationError(f"the longest prompt ({longest}) plus max_new_tokens ({max_new_tokens}) is {longest + max_new_tokens} "
+                              f"positions, more than the model's context of {context} tokens (its cos/sin rows and layout)")
     if cache_dims is not None:
         hints = {**hints, "kv_heads": cache_dims[0], "head_size": cache_dims[1]}
     io = _DecoderIO.of(session, hints)
@@ -228,7 +242,7 @@ def generate(
     if io.vocab_size is not None:
         _check_ids(rows, stops, pad_token_id, io.vocab_size)  # before any work
     loop = _Loop(session, io, len(rows), capacity)
-    rng = np.random.default_rng(sampling.seed)
+    rng = np.random.default_rng(sampling.seed) if sampling.do_sample else None
     ids, lengths = _right_padded(rows, pad_token_id)
 
     start = time.perf_counter()
@@ -438,7 +452,7 @@ def _check_ids(rows, stops, pad_token_id, vocab: int) -> None:
         raise GenerationError(f"pad_token_id {pad_token_id} lies outside the vocabulary [0, {vocab})")
 
 
-def _choose(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> np.ndarray:
+def _choose(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator | None) -> np.ndarray:
     """The next token of every row from its logits (batch, vocab)."""
     finite = np.isfinite(logits).all(axis=-1)
     if not finite.all():
@@ -520,3 +534,7 @@ def divergences(reference: ort.InferenceSession, prompts: Sequence[Sequence[int]
 
 def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))

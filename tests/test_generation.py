@@ -167,6 +167,12 @@ def test_argument_errors_name_the_argument(rng):
         (dict(prompts=[[1, 2, 3], [4]], max_new_tokens=2, attention_mask=np.ones((2, 3))), "one padded 2-D array"),
         (dict(prompts=[[1, 2]], max_new_tokens=2, sampling=Sampling(do_sample=True, temperature=0)), "temperature must be > 0"),
         (dict(prompts=[[1, 2]], max_new_tokens=2, sampling=Sampling(do_sample=True, top_p=1.5)), "top_p must lie in (0, 1]"),
+        (dict(prompts=[[1, 2]], max_new_tokens=2, sampling=Sampling(do_sample=True, temperature="1")), "temperature must be a number"),
+        (dict(prompts=[[1, 2]], max_new_tokens=2, sampling=Sampling(do_sample=True, seed=-1)), "seed must be None or an int >= 0"),
+        (dict(prompts=[[1, 2]], max_new_tokens=2, sampling=None), "sampling must be a Sampling, got NoneType"),
+        (dict(prompts=[[1, 2]], max_new_tokens=2, pad_token_id="0"), "pad_token_id must be an int >= 0"),
+        (dict(prompts=[[1, 2]], max_new_tokens=2, on_step=5), "on_step must be callable"),
+        (dict(prompts=[[1, 2]], max_new_tokens=2, cache_dims=(3,)), "cache_dims must be (kv_heads, head_size)"),
     ]
     for kwargs, message in cases:
         with pytest.raises(GenerationError) as raised:
@@ -175,8 +181,10 @@ def test_argument_errors_name_the_argument(rng):
     # Given the model (not a session), its context bounds the generation before any work.
     with pytest.raises(GenerationError, match="more than the model's context of 512 tokens"):
         generate(path, [[1, 2, 3]], 600)
+    # A buffer larger than the context is fine: only the positions reached must lie in it.
+    assert len(generate(path, [[1, 2, 3]], 2, capacity=600).tokens[0]) == 2
     # numpy integers are integers; greedy decoding ignores the sampling fields.
-    greedy = generate(session, [[3, 4, 5]], np.int64(3), capacity=np.int64(8), sampling=Sampling(temperature=0.0)).tokens
+    greedy = generate(session, [[3, 4, 5]], np.int64(3), capacity=np.int64(8), sampling=Sampling(temperature=0.0, seed=-1)).tokens
     # The session still generates afterwards, the same tokens.
     assert generate(session, [[3, 4, 5]], 3).tokens == greedy and len(greedy[0]) == 3
 
