@@ -63,7 +63,7 @@ def inspect(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     """One run of the model on WebGPU with random or given feeds; optionally against ORT CPU."""
     from . import model_files
-    from .feeds import FeedSettings, check_feeds, history_lengths, random_feeds, ragged_rows
+    from .feeds import FeedSettings, check_feeds, history_lengths, npz_path, random_feeds, ragged_rows
     from .ort_cpu import run_plain_ort, shared_pairs
     from .session import create_session
 
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         print("\nnote: the feeds' rows have different lengths; ORT's own CPU kernel gets those wrong (docs/design.md section 1),"
               " so differences there are expected", file=sys.stderr)
     if args.save:
-        saved = args.save if str(args.save).endswith(".npz") else Path(f"{args.save}.npz")  # np.savez's own rule
+        saved = npz_path(args.save)
         np.savez(saved, **outputs)
         print(f"\nwrote {saved}")
     if failed:
@@ -194,6 +194,8 @@ def _read_npz(path: Path) -> dict:
     """The arrays of an .npz archive by name; a clear error for anything else."""
     from .feeds import FeedError
 
+    if not Path(path).is_file():
+        raise FeedError(f"--feeds {path}: no such file")
     try:
         loaded = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as error:

@@ -18,6 +18,7 @@ import onnx
 
 from .decoder_models import BUNDLED_MODELS, DecoderConfig, write_model_folder
 from .graphs import sparse_attention_model
+from .feeds import npz_path
 from .inputs import CaseConfig, random_inputs
 from .spec import OpAttributes, SparseAttentionError, build_call
 
@@ -70,8 +71,9 @@ def export_graph(args: argparse.Namespace) -> list[Path]:
     written = [args.output]
     if args.inputs:
         graph_inputs = {i.name for i in model.graph.input}
-        np.savez(args.inputs, **{k: v for k, v in inputs.items() if k in graph_inputs})
-        written.append(args.inputs)
+        feeds_path = npz_path(args.inputs)
+        np.savez(feeds_path, **{k: v for k, v in inputs.items() if k in graph_inputs})
+        written.append(feeds_path)
     return written
 
 
@@ -85,8 +87,14 @@ def _check_graph_config(config: CaseConfig) -> None:
             raise ValueError(f"{option} must be at least 1, got {value}")
     if config.num_heads % config.kv_num_heads or config.num_heads % config.num_layout:
         raise ValueError(f"--num-heads {config.num_heads} must be a multiple of --kv-num-heads {config.kv_num_heads} and --num-layout {config.num_layout}")
+    if config.local_blocks < 0:
+        raise ValueError(f"--local-blocks must be >= 0, got {config.local_blocks}")
+    if config.vert_stride < 1:
+        raise ValueError(f"--vert-stride must be at least 1, got {config.vert_stride}")
     past = config.past_lengths[0] if config.past_lengths else 0
-    if past < 0 or past + config.seq_len > config.max_cache_len:
+    if past < 0:
+        raise ValueError(f"--past must be >= 0, got {past}")
+    if past + config.seq_len > config.max_cache_len:
         raise ValueError(f"--past + --seq-len = {past + config.seq_len} must fit --max-cache-len {config.max_cache_len}")
     if config.max_cache_len % config.sparse_block_size:
         raise ValueError(f"--max-cache-len {config.max_cache_len} must be a multiple of --block {config.sparse_block_size}")
@@ -123,6 +131,7 @@ def declared_shapes(config: CaseConfig) -> dict[str, list]:
 
 def add_decoder_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("folder", type=Path, help="the GenAI model folder to write (model.onnx, genai_config.json)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the folder's model and genai_config.json if it has them")
     parser.add_argument("--preset", choices=sorted(BUNDLED_MODELS), default=DEFAULT_PRESET,
                         help="the configuration to start from (default %(default)s; models/ holds each)")
     defaults = DecoderConfig()
@@ -137,4 +146,7 @@ def export_decoder(args: argparse.Namespace) -> tuple[Path, DecoderConfig]:
     overrides = {name: getattr(args, name) for name in DECODER_OPTIONS if getattr(args, name) is not None}
     config = dataclasses.replace(BUNDLED_MODELS[args.preset], **overrides)
     config.validate()
+    present = [name for name in ("model.onnx", "genai_config.json") if (args.folder / name).exists()]
+    if present and not args.overwrite:
+        raise FileExistsError(f"{args.folder} already holds {' and '.join(present)} (a model folder): pass --overwrite to replace them")
     return write_model_folder(config, args.folder), config

@@ -24,6 +24,7 @@ A cache's rows default to past + seq, the fewest the attention ops accept.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Mapping
 
 import numpy as np
@@ -85,6 +86,11 @@ class _Use:
     slot: str
     packed: bool  # the node takes packed QKV (no key input)
     head_size: int | None  # from what the model declares or infers; None: unknown
+
+
+def npz_path(path: Path) -> Path:
+    """The file np.savez writes for ``path``: its own rule adds .npz where the name lacks it."""
+    return Path(path) if str(path).endswith(".npz") else Path(f"{path}.npz")
 
 
 def random_feeds(model: onnx.ModelProto, settings: FeedSettings, vocab_size: int | None = None) -> tuple[dict[str, np.ndarray], list[str]]:

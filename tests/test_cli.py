@@ -148,6 +148,23 @@ def test_run_with_given_feeds_and_their_errors(capsys, tmp_path):
     assert_one_line_error(code, err, "partial.npz lacks graph input(s) 'query'")
 
 
+def test_export_keeps_what_exists_and_names_what_it_writes(capsys, tmp_path):
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "model.onnx").write_text("keep")
+    code, _, err = run_cli(capsys, "export", "decoder", folder, "--layers", 2)
+    assert_one_line_error(code, err, "already holds model.onnx (a model folder): pass --overwrite")
+    assert (folder / "model.onnx").read_text() == "keep"
+    code, out, err = run_cli(capsys, "export", "decoder", folder, "--layers", 2, "--overwrite")
+    assert code == 0 and (folder / "genai_config.json").is_file(), err
+    # np.savez adds .npz to a name without it: the message names the file written, and
+    # run says plainly when a --feeds file is not there.
+    code, out, err = run_cli(capsys, "export", "graph", tmp_path / "g.onnx", "--inputs", tmp_path / "feeds")
+    assert code == 0 and f"wrote {tmp_path / 'feeds.npz'}" in out and (tmp_path / "feeds.npz").is_file(), err
+    code, _, err = run_cli(capsys, "run", tmp_path / "g.onnx", "--feeds", tmp_path / "feeds")
+    assert_one_line_error(code, err, f"--feeds {tmp_path / 'feeds'}: no such file")
+
+
 def test_an_exported_graph_runs_without_being_told_its_head_size(capsys, tmp_path):
     graph = tmp_path / "graph.onnx"
     code, _, err = run_cli(capsys, "export", "graph", graph, "--rotary", "--rotary-dim", 16, "--head-size", 48, "--packed")
@@ -164,6 +181,9 @@ def test_an_exported_graph_runs_without_being_told_its_head_size(capsys, tmp_pat
     (["--rotary", "--head-size", 24], "head_size must be a multiple of 16 when do_rotary = 1"),
     (["--rotary-dim", 16], "--rotary-dim applies to the rotary embedding: add --rotary"),
     (["--interleaved"], "--interleaved applies to the rotary embedding: add --rotary"),
+    (["--past", -2], "--past must be >= 0, got -2"),
+    (["--local-blocks", -1], "--local-blocks must be >= 0"),
+    (["--vert-stride", 0], "--vert-stride must be at least 1"),
 ])
 def test_export_graph_refuses_what_the_op_would_refuse(capsys, tmp_path, options, message):
     graph = tmp_path / "graph.onnx"
