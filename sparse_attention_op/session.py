@@ -41,6 +41,8 @@ def session_options(sess_options: ort.SessionOptions | None = None) -> ort.Sessi
     added to the options.
     """
     options = sess_options if sess_options is not None else ort.SessionOptions()
+    if not isinstance(options, ort.SessionOptions):
+        raise TypeError(f"sess_options must be an onnxruntime.SessionOptions or None, got {type(options).__name__}")
     if options.execution_mode != ort.ExecutionMode.ORT_SEQUENTIAL:
         raise SparseAttentionError(
             f"sess_options.execution_mode is {options.execution_mode.name}: SparseAttention's bridge ops must run "
@@ -153,11 +155,19 @@ def create_session(
     token = uuid.uuid4().hex
     prepared = prepare_model(model, session_token=token, kv_check=kv_check)
     register()
-    return SparseAttentionSession(
-        prepared.SerializeToString(),
-        session_options(sess_options),
-        providers or ["CPUExecutionProvider"],
-        token,
-        ExecutionSettings(profile=profile, f16_cache=f16_cache),
-        kv_check,
-    )
+    try:
+        return SparseAttentionSession(
+            prepared.SerializeToString(),
+            session_options(sess_options),
+            providers or ["CPUExecutionProvider"],
+            token,
+            ExecutionSettings(profile=profile, f16_cache=f16_cache),
+            kv_check,
+        )
+    except Exception as error:
+        if "Conflicting with a registered kernel" not in str(error):
+            raise
+        # The library registered on these options by the caller: ORT names only an op of it.
+        raise SparseAttentionError(
+            "sess_options already register onnxruntime-extensions' library (register_custom_ops_library), and "
+            "create_session registers it too: pass options without it") from error

@@ -7,6 +7,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from onnxruntime_extensions import get_library_path
 
 import sparse_attention_op as sao
 from helpers import assert_close, assert_matches_reference, graph_feeds, run_in_threads, run_ort_cpu
@@ -318,7 +319,7 @@ def test_finaliser_never_blocks_on_a_call_in_flight(executor, rng):
 
 @pytest.mark.gpu
 def test_other_pyops_keep_the_stock_dispatcher(executor, rng):
-    from onnxruntime_extensions import PyCustomOpDef, get_library_path, onnx_op
+    from onnxruntime_extensions import PyCustomOpDef, onnx_op
 
     @onnx_op(op_type="SaoTestNegate", inputs=[PyCustomOpDef.dt_float], outputs=[PyCustomOpDef.dt_float])
     def negate(x):
@@ -349,6 +350,16 @@ def test_user_session_options_are_kept_and_reusable(executor, rng):
     assert options.intra_op_num_threads == 1
     for session in (first, second):
         assert_matches_reference(session.run(None, graph_feeds(session, inputs)), inputs, config.node_attributes())
+
+
+def test_options_that_register_the_extensions_library_already_are_named(rng):
+    model, _ = model_and_inputs(CaseConfig(seq_len=3), rng)
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(get_library_path())
+    with pytest.raises(sao.SparseAttentionError, match="already register onnxruntime-extensions' library .* pass options without it"):
+        sao.create_session(model, sess_options=options)
+    with pytest.raises(TypeError, match="sess_options must be an onnxruntime.SessionOptions or None, got dict"):
+        sao.create_session(model, sess_options={})
 
 
 def test_parallel_execution_is_refused_at_session_creation(rng):
