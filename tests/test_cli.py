@@ -269,6 +269,9 @@ def test_options_that_would_be_ignored_are_refused(capsys, monkeypatch):
     assert "--no-stop and --stop-ids contradict" in usage_error("generate", TINY, "--prompt-ids", "5", "--no-stop", "--stop-ids", "7")
     monkeypatch.setattr("sparse_attention_op.benchmarking.sweep.import_torch_cuda", lambda: None)
     assert "--torch needs torch with a CUDA device" in usage_error("bench", "--quick", "--torch")
+    assert "name no case" in usage_error("bench", "--quick", "--prefill", "--decode")
+    assert "--prefill lengths must be at least 1, got -5" in usage_error("bench", "--quick", "--prefill", -5)
+    assert "--fp32-tflops must be > 0" in usage_error("bench", "--quick", "--fp32-tflops", 0)
     code, _, err = run_cli(capsys, "run", TINY, "--dim", "total_sequnce_length=9")
     assert_one_line_error(code, err, "--dim total_sequnce_length: no graph input has a dim of that name", "total_sequence_length")
     # Given with --sample, they reach the sampler.

@@ -532,6 +532,15 @@ def resolve_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> a
     args.reps = reps if args.reps is None else args.reps
     if args.reps < 1:
         parser.error("--reps must be at least 1")
+    if not args.prefill and not args.decode:
+        parser.error("--prefill and --decode name no case: give a length to one of them")
+    if any(length < 1 for length in args.prefill):
+        parser.error(f"--prefill lengths must be at least 1, got {min(args.prefill)}")
+    if args.capacity < 1:
+        parser.error(f"--capacity must be at least 1, got {args.capacity}")
+    for option, rate in (("--fp32-tflops", args.fp32_tflops), ("--bandwidth-gbs", args.bandwidth_gbs)):
+        if not rate > 0:
+            parser.error(f"{option} must be > 0 (a roofline rate), got {rate:g}")
     if args.json == "-":
         parser.error("--json needs a file path here: the sweep's table takes stdout")
     if args.plot:
@@ -583,7 +592,9 @@ def run(args: argparse.Namespace, command: str) -> int:
         plot(rows, args.plot, command, machine)
     for row in failures:
         print(f"spot check failed: {row.kind} {row.length}, {row.layout}, {row.cache}: error {row.max_error:.2e} > {row.tolerance}", file=sys.stderr)
-    return 1 if failures else 0
+    if not rows:
+        print("no case ran: every case was skipped", file=sys.stderr)
+    return 1 if failures or not rows else 0
 
 
 if __name__ == "__main__":
