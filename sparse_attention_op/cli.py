@@ -41,10 +41,24 @@ def _dim(text: str) -> tuple[str, int]:
         raise argparse.ArgumentTypeError(f"expected NAME=SIZE such as total_sequence_length=64, got {text!r}") from None
 
 
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
 def _positive(text: str) -> int:
-    value = int(text)
+    value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = _integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 
@@ -80,9 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
     def kv_check_option(p: argparse.ArgumentParser, default: str) -> None:
         p.add_argument("--kv-check", choices=["exact", "fast"], default=default, help="the cache check (default %(default)s)")
 
+    def traceback_option(p: argparse.ArgumentParser) -> None:
+        # Also after the command's name, where users put it; SUPPRESS keeps the main parser's value otherwise.
+        p.add_argument("--traceback", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
     def command(name: str, function, help_text: str, **kwargs) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text, **kwargs)
         p.set_defaults(func=function, subparser=p)
+        traceback_option(p)
         return p
 
     p = command("info", commands.info, "versions, wgpu adapters, and the chosen adapter's features, limits and tuning")
@@ -99,11 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-ort", action="store_true", help="also run ONNX Runtime's own CPU kernels and compare every output")
     p.add_argument("--batch", type=_positive, default=1, help="rows of random feeds (default %(default)s)")
     p.add_argument("--seq", type=_positive, default=8, help="new tokens per row (default %(default)s)")
-    p.add_argument("--past", type=int, default=0, help="history rows before them (default %(default)s: a prompt)")
-    p.add_argument("--capacity", type=int, default=None, help="rows of each KV cache input (default: past + seq)")
-    p.add_argument("--head-size", type=int, default=None, help="head size, where the model's shapes do not say it")
+    p.add_argument("--past", type=_non_negative, default=0, help="history rows before them (default %(default)s: a prompt)")
+    p.add_argument("--capacity", type=_positive, default=None, help="rows of each KV cache input (default: past + seq)")
+    p.add_argument("--head-size", type=_positive, default=None, help="head size, where the model's shapes do not say it")
     p.add_argument("--dim", type=_dim, action="append", default=[], metavar="NAME=SIZE", help="size of a symbolic dim (repeatable)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random feeds (default %(default)s)")
+    p.add_argument("--seed", type=_non_negative, default=0, help="seed of the random feeds (default %(default)s)")
     kv_check_option(p, "exact")
     p.add_argument("--repeat", type=_positive, default=1, help="runs to time (default %(default)s; the first compiles kernels)")
     p.add_argument("--save", type=Path, metavar="OUT.npz", help="write the outputs")
@@ -120,10 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-stop", action="store_true", help="never stop before --max-new-tokens")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy argmax")
     p.add_argument("--temperature", type=float, default=None, help=f"with --sample (default {SAMPLING_DEFAULTS['temperature']})")
-    p.add_argument("--top-k", type=int, default=None, help="with --sample: keep the k likeliest tokens (default 0: all)")
+    p.add_argument("--top-k", type=_non_negative, default=None, help="with --sample: keep the k likeliest tokens (default 0: all)")
     p.add_argument("--top-p", type=float, default=None, help=f"with --sample: nucleus mass (default {SAMPLING_DEFAULTS['top_p']})")
-    p.add_argument("--seed", type=int, default=None, help="with --sample: seed of the draws")
-    p.add_argument("--capacity", type=int, default=None, help="rows of each KV buffer (default: longest prompt + max new tokens)")
+    p.add_argument("--seed", type=_non_negative, default=None, help="with --sample: seed of the draws")
+    p.add_argument("--capacity", type=_positive, default=None, help="rows of each KV buffer (default: longest prompt + max new tokens)")
     kv_check_option(p, "fast")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -145,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo_model = exports.add_parser("demo", help="the one-block demo model (models/demo_decoder_attention.onnx)")
     demo_model.add_argument("output", type=Path, nargs="?", default=DEFAULT_MODEL)
     demo_model.set_defaults(func=commands.export_demo)
+    for export_parser in (graph, decoder, demo_model):
+        traceback_option(export_parser)
 
     p = command("adapters", commands.adapters, "list the wgpu adapters, best first (exit 1 if none)")
     p.add_argument("--native", action="store_true", help="only Vulkan, Metal and D3D12 adapters count")

@@ -272,6 +272,11 @@ def test_options_that_would_be_ignored_are_refused(capsys, monkeypatch):
     assert "name no case" in usage_error("bench", "--quick", "--prefill", "--decode")
     assert "--prefill lengths must be at least 1, got -5" in usage_error("bench", "--quick", "--prefill", -5)
     assert "--fp32-tflops must be > 0" in usage_error("bench", "--quick", "--fp32-tflops", 0)
+    assert "argument --batch: expected an integer, got 'abc'" in usage_error("run", TINY, "--batch", "abc")
+    assert "argument --past: must be >= 0, got -3" in usage_error("run", TINY, "--past", -3)
+    # --traceback after the command's name: the whole traceback instead of one line.
+    with pytest.raises(Exception, match="no such file or folder"):
+        cli.main(["run", "/no/such/model.onnx", "--traceback"])
     code, _, err = run_cli(capsys, "run", TINY, "--dim", "total_sequnce_length=9")
     assert_one_line_error(code, err, "--dim total_sequnce_length: no graph input has a dim of that name", "total_sequence_length")
     # Given with --sample, they reach the sampler.
