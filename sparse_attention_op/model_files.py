@@ -44,7 +44,7 @@ def resolve(path: str | Path) -> ModelFiles:
             config = json.loads(config_path.read_text())
         except (OSError, ValueError) as error:
             raise ModelFileError(f"{config_path}: not valid JSON ({error})") from None
-        filename = ((config.get("model") or {}).get("decoder") or {}).get("filename") if isinstance(config, dict) else None
+        filename = _decoder_filename(config, config_path)
         if not filename:
             raise ModelFileError(f"{config_path} names no decoder file (model.decoder.filename)")
         onnx_path = path / filename
@@ -68,3 +68,16 @@ def load(files: ModelFiles, *, with_weights: bool = True) -> onnx.ModelProto:
     if not model.ir_version or not model.HasField("graph"):
         raise ModelFileError(f"{files.onnx_path} is not an ONNX model (no IR version or graph)")
     return model
+
+
+def _decoder_filename(config, config_path: Path) -> str | None:
+    """``model.decoder.filename``; a level that is not a JSON object is named, not skipped."""
+    node, where = config, "the file"
+    for key in ("model", "decoder"):
+        if not isinstance(node, dict):
+            raise ModelFileError(f"{config_path}: {where} must be a JSON object, got {type(node).__name__}")
+        node, where = node.get(key) or {}, key if where == "the file" else f"{where}.{key}"
+    if not isinstance(node, dict):
+        raise ModelFileError(f"{config_path}: {where} must be a JSON object, got {type(node).__name__}")
+    filename = node.get("filename")
+    return filename if isinstance(filename, str) else None

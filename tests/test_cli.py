@@ -121,6 +121,9 @@ def test_inspect_refuses_what_is_not_a_model(capsys, tmp_path):
     assert_one_line_error(code, err, "broken.onnx", "not an ONNX model")
     code, _, err = run_cli(capsys, "inspect", tmp_path)
     assert_one_line_error(code, err, "without genai_config.json")
+    (tmp_path / "genai_config.json").write_text('{"model": [1]}')
+    code, _, err = run_cli(capsys, "inspect", tmp_path)
+    assert_one_line_error(code, err, "genai_config.json: model must be a JSON object, got list")
 
 
 @pytest.mark.parametrize("folder", [TINY, TINY_F16], ids=["float32", "float16"])
