@@ -30,6 +30,7 @@ def bind_shared(
     then lists ``outputs`` first, in order. The OrtValues borrow their arrays' memory: keep
     the arrays alive while they are bound.
     """
+    _check_arguments(session, caches, presents, outputs)
     binding = session.io_binding()
     for graph_input in session.get_inputs():
         name = graph_input.name
@@ -44,3 +45,20 @@ def bind_shared(
     for present, past in presents.items():
         binding.bind_ortvalue_output(present, caches[past])
     return binding
+
+
+def _check_arguments(session, caches, presents, outputs) -> None:
+    """Each mistake named before anything is bound (ORT would say it at run, or not at all)."""
+    if isinstance(outputs, str):
+        raise TypeError(f"outputs must be a sequence of output names, got the string {outputs!r}: write ({outputs!r},)")
+    for name, value in caches.items():
+        if not isinstance(value, ort.OrtValue):
+            raise TypeError(f"caches['{name}'] must be an onnxruntime.OrtValue (ort.OrtValue.ortvalue_from_numpy), got {type(value).__name__}")
+    output_names = [o.name for o in session.get_outputs()]
+    for name in [*outputs, *presents]:
+        if name not in output_names:
+            raise KeyError(f"'{name}' is not an output of the session (outputs: {', '.join(output_names)})")
+    for present, past in presents.items():
+        if past not in caches:
+            raise KeyError(f"presents maps '{present}' to '{past}', which caches lacks (caches: {', '.join(caches) or 'none'}); "
+                           "a decoder names its own pairs, such as {'present.0.key': 'past_key_values.0.key'}")

@@ -6,6 +6,7 @@ place. Every step is compared with the float64 reference; the node's call statis
 many history rows crossed and went to the GPU (functional checks, not timings)."""
 
 import logging
+import re
 
 import numpy as np
 import onnxruntime as ort
@@ -83,6 +84,23 @@ def run_shared(session, feeds, past):
     binding = sao.bind_shared(session, feeds, values)
     session.run_with_iobinding(binding)
     return binding.copy_outputs_to_cpu()[0]
+
+
+def test_bind_shared_names_each_mistake(rng):
+    """Before anything is bound; no GPU work (binding runs nothing)."""
+    session = new_session(rng, "fast")
+    inputs = random_inputs(CONFIG, rng)
+    feeds = {i.name: inputs[i.name] for i in session.get_inputs()}
+    values = {name: ort.OrtValue.ortvalue_from_numpy(inputs[name]) for name in ("past_key", "past_value")}
+    for arguments, error, message in [
+        (dict(caches=values, outputs="output"), TypeError, "got the string 'output': write ('output',)"),
+        (dict(caches={"past_key": inputs["past_key"], "past_value": values["past_value"]}), TypeError, "caches['past_key'] must be an onnxruntime.OrtValue"),
+        (dict(caches=values, outputs=("logits",)), KeyError, "'logits' is not an output of the session"),
+        (dict(caches={"past_key": values["past_key"]}), KeyError, "maps 'present_value' to 'past_value', which caches lacks"),
+    ]:
+        with pytest.raises(error, match=re.escape(message)):
+            sao.bind_shared(session, feeds, **arguments)
+    sao.bind_shared(session, feeds, values)  # the right arguments bind
 
 
 @pytest.mark.parametrize("way", WAYS)
