@@ -110,8 +110,11 @@ def random_feeds(model: onnx.ModelProto, settings: FeedSettings, vocab_size: int
             raise FeedError(f"graph input '{graph_input.name}' is not a tensor; pass --feeds")
         dtype = helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)
         use = uses.get(graph_input.name)
-        shape = _shape(graph_input, use, settings)
+        shape = _shape(graph_input, use, settings, notes)
         feeds[graph_input.name] = _value(graph_input.name, dtype, shape, use, settings, rng, graph, vocab_size, notes)
+    declared = sorted({use.head_size for use in uses.values() if use.head_size})
+    if settings.head_size is not None and declared and declared != [settings.head_size]:
+        notes.append(f"--head-size {settings.head_size} does not apply: the model declares head size {', '.join(map(str, declared))}")
     return feeds, notes
 
 
@@ -222,7 +225,7 @@ def _declared_head_size(node, attributes: dict, packed: bool, declared: dict) ->
     return None
 
 
-def _shape(graph_input: onnx.ValueInfoProto, use: _Use | None, settings: FeedSettings) -> tuple[int, ...]:
+def _shape(graph_input: onnx.ValueInfoProto, use: _Use | None, settings: FeedSettings, notes: list[str]) -> tuple[int, ...]:
     tensor_type = graph_input.type.tensor_type
     if tensor_type.HasField("shape"):
         dims = list(tensor_type.shape.dim)
@@ -235,10 +238,14 @@ def _shape(graph_input: onnx.ValueInfoProto, use: _Use | None, settings: FeedSet
     for axis, dim in enumerate(dims):
         if dim is not None and dim.HasField("dim_value"):
             shape.append(dim.dim_value)
+            _note_fixed(graph_input.name, axis, dim.dim_value, role_sizes.get(axis), use, settings, notes)
             continue
         name = dim.dim_param if dim is not None else ""
         if name in settings.dims:
             shape.append(settings.dims[name])
+            if role_sizes.get(axis) not in (None, settings.dims[name]):
+                notes.append(f"--dim {name}={settings.dims[name]} sizes axis {axis} of '{graph_input.name}', where the other "
+                             f"options would give {role_sizes[axis]}")
         elif role_sizes.get(axis) is not None:
             shape.append(role_sizes[axis])
         elif _by_name(name, settings) is not None:
@@ -254,6 +261,15 @@ def _shape(graph_input: onnx.ValueInfoProto, use: _Use | None, settings: FeedSet
 
 _SLOT_RANKS = {"query": 3, "key": 3, "value": 3, "past_key": 4, "past_value": 4, "block_row_indices": 2, "block_col_indices": 2,
                "total_sequence_length": 1, "key_total_sequence_lengths": 1, "cos_cache": 2, "sin_cache": 2, "seqlens_k": 1}
+
+
+def _note_fixed(name: str, axis: int, fixed: int, asked: int | None, use: _Use | None, settings: FeedSettings, notes: list[str]) -> None:
+    """A note where the model fixes the cache rows an explicit --capacity asked another size
+    of (it defaults to nothing, so a difference means the user's value)."""
+    if use is None or asked is None or asked == fixed or settings.capacity is None:
+        return
+    if use.slot in ("past_key", "past_value") and axis == 2:
+        notes.append(f"--capacity {settings.capacity} does not apply to '{name}': the model fixes its axis {axis} at {fixed} rows")
 
 
 def _by_name(name: str, settings: FeedSettings) -> int | None:

@@ -282,6 +282,10 @@ def test_options_that_would_be_ignored_are_refused(capsys, monkeypatch):
         cli.main(["run", "/no/such/model.onnx", "--traceback"])
     code, _, err = run_cli(capsys, "run", TINY, "--dim", "total_sequnce_length=9")
     assert_one_line_error(code, err, "--dim total_sequnce_length: no graph input has a dim of that name", "total_sequence_length")
+    # Sizes the model fixes win over the options, and a note says so.
+    code, _, err = run_cli(capsys, "run", REPO / "models" / "demo_decoder_attention.onnx", "--capacity", 100, "--head-size", 64)
+    assert code == 0 and "note: --capacity 100 does not apply to 'past_key': the model fixes its axis 2 at 256 rows" in err, err
+    assert "note: --head-size 64 does not apply: the model declares head size 32" in err
     # Given with --sample, they reach the sampler.
     code, out, err = run_cli(capsys, "generate", TINY, "--prompt-ids", "5", "--max-new-tokens", 2, "--sample", "--temperature", 0.5,
                              "--top-k", 3, "--seed", 1, "--json", "-", "--no-progress")
