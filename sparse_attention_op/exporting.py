@@ -17,8 +17,8 @@ import numpy as np
 import onnx
 
 from .decoder_models import BUNDLED_MODELS, DecoderConfig, write_model_folder
-from .graphs import sparse_attention_model
 from .feeds import npz_path
+from .graphs import sparse_attention_model
 from .inputs import CaseConfig, random_inputs
 from .spec import OpAttributes, SparseAttentionError, build_call
 

@@ -142,8 +142,9 @@ def refusal(model: onnx.ModelProto, base_dir: Path) -> str | None:
 
     checked = onnx.ModelProto()
     checked.CopyFrom(model)
+    layouts = _layout_names(checked.graph)
     for tensor in checked.graph.initializer:
-        if tensor.name in _layout_names(checked.graph) and external_data_helper.uses_external_data(tensor):
+        if tensor.name in layouts and external_data_helper.uses_external_data(tensor):
             external_data_helper.load_external_data_for_tensor(tensor, str(base_dir))
             tensor.data_location = onnx.TensorProto.DEFAULT
     try:
