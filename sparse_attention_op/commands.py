@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -140,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
 def generate(args: argparse.Namespace) -> int:
     """Greedy or sampled generation from the given prompt ids; optionally against ORT CPU."""
     from . import model_files
-    from .generation import Sampling, cache_dims_of, divergences, generate as generate_tokens
+    from .generation import GenerationError, Sampling, cache_dims_of, divergences, generate as generate_tokens
 
     files = model_files.resolve(args.model)
     prompts = args.prompt_ids
@@ -150,7 +151,10 @@ def generate(args: argparse.Namespace) -> int:
     options = dict(stop_tokens=stops, pad_token_id=_pad_token(files), sampling=sampling, capacity=args.capacity)
     with _StepProgress(args.max_new_tokens, not args.no_progress) as progress:
         # The model itself, not a session: generate reads its cache dims and context there.
-        result = generate_tokens(model, prompts, args.max_new_tokens, on_step=progress.step, kv_check=args.kv_check, **options)
+        try:
+            result = generate_tokens(model, prompts, args.max_new_tokens, on_step=progress.step, kv_check=args.kv_check, **options)
+        except GenerationError as error:
+            raise GenerationError(_in_flags(str(error))) from None
     document = {"tokens": result.tokens, "ms_per_token": result.ms_per_token}
     # The report goes to stderr when the JSON takes stdout.
     report = sys.stderr if args.json == "-" else sys.stdout
@@ -204,6 +208,20 @@ def _read_npz(path: Path) -> dict:
         raise FeedError(f"--feeds {path}: a single array, not an .npz archive of arrays named as the graph's inputs (np.savez writes one)")
     with loaded as archive:
         return {name: archive[name] for name in archive.files}
+
+
+#: generate()'s argument names as the command line spells what sets them.
+_GENERATE_FLAGS = {
+    "max_new_tokens": "--max-new-tokens",
+    "capacity": "--capacity",
+    "stop_tokens": "the stop ids (--stop-ids, or the folder's eos_token_id)",
+    "pad_token_id": "the folder's pad_token_id",
+}
+
+
+def _in_flags(message: str) -> str:
+    """A generate() error with its argument names replaced by the options that set them."""
+    return re.sub(r"\b(" + "|".join(_GENERATE_FLAGS) + r")\b", lambda match: _GENERATE_FLAGS[match.group(1)], message)
 
 
 def _stop_tokens(args, files) -> list[int]:

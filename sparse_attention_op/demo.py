@@ -131,7 +131,8 @@ def run_demo(folder: Path | None = None, prompt_len: int = 40, steps: int = 24, 
     config = files.genai_config["model"]
     vocab, context_length = config["vocab_size"], config["context_length"]
     if prompt_len < 14 or prompt_len + steps > context_length:
-        raise ValueError(f"prompt_len must be >= 14 and prompt_len + steps <= {context_length}, got {prompt_len} and {steps}")
+        raise ValueError(f"the prompt length (--prompt) must be >= 14, since the second row's prompt is 13 tokens shorter, and "
+                         f"it plus the steps (--steps) at most the model's context of {context_length}, got {prompt_len} and {steps}")
     printer(f"adapter: {get_context().description}")
     decoder = files.decoder_config
     printer(f"model: {files.onnx_path} ({decoder['num_hidden_layers']} layers, {decoder['num_attention_heads']} heads over "

@@ -227,6 +227,11 @@ def test_generate_errors_are_one_line(capsys):
     assert_one_line_error(code, err, "token id(s) [9999] outside the vocabulary [0, 512)")
     code, _, err = run_cli(capsys, "generate", TINY, "--prompt-ids", "1,2", "--max-new-tokens", 600)
     assert_one_line_error(code, err, "more than the model's context of 512 tokens")
+    # Messages name the options, not generate()'s arguments.
+    code, _, err = run_cli(capsys, "generate", TINY, "--prompt-ids", "1,2", "--max-new-tokens", 6, "--capacity", 5)
+    assert_one_line_error(code, err, "--capacity must be an int that holds the longest prompt plus --max-new-tokens = 8 rows")
+    code, _, err = run_cli(capsys, "generate", TINY, "--prompt-ids", "1,2", "--max-new-tokens", 3, "--stop-ids", "9999")
+    assert_one_line_error(code, err, "the stop ids (--stop-ids, or the folder's eos_token_id) [9999] lie outside the vocabulary")
     with pytest.raises(SystemExit) as usage:
         cli.main(["generate", str(TINY), "--prompt-ids", "five"])
     assert usage.value.code == 2
