@@ -23,6 +23,7 @@ state, per thread (see load_genai_model).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -75,6 +76,7 @@ def prepare_genai_folder(source, target, *, kv_check: str = "fast", overwrite: b
     library = Path(get_library_path())
     token = uuid.uuid4().hex
 
+    created = _missing_ancestors(target.parent)
     target.parent.mkdir(parents=True, exist_ok=True)
     # Built beside target and renamed into place: a failure leaves no half-written folder.
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
@@ -93,6 +95,8 @@ def prepare_genai_folder(source, target, *, kv_check: str = "fast", overwrite: b
             options = component.setdefault("session_options", copy.deepcopy(_decoder_options(config)))
             _set_library(options, library.name, relative)
             rewritten.append(relative)
+        if not rewritten:
+            raise ValueError(f"source: no model that {GENAI_CONFIG} names holds a SparseAttention node: nothing would run on WebGPU")
         skip = {Path(name) for name in rewritten} | {Path(GENAI_CONFIG), Path(RECORD_FILE), Path(library.name)}
         _copy_tree(source, staging, skip)
         config.setdefault("search", {})["past_present_share_buffer"] = True
@@ -100,13 +104,40 @@ def prepare_genai_folder(source, target, *, kv_check: str = "fast", overwrite: b
         record = {"session_token": token, "kv_check": kv_check, "custom_ops_library": library.name, "models": rewritten,
                   "bridge_format": BRIDGE_FORMAT}
         (staging / RECORD_FILE).write_text(json.dumps(record, indent=4) + "\n")
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
+        _replace(target, staging)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        for folder in created:  # deepest first; only those this call made, and only if empty
+            with contextlib.suppress(OSError):
+                folder.rmdir()
         raise
     return target
+
+
+def _missing_ancestors(folder: Path) -> list[Path]:
+    """The folders mkdir(parents=True) would create for ``folder``, deepest first."""
+    missing = []
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def _replace(target: Path, staging: Path) -> None:
+    """``staging`` renamed to ``target``; an old ``target`` is moved aside first and deleted
+    only once the new folder is in place, so a failure between the two loses neither."""
+    if not target.exists():
+        staging.rename(target)
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
+    aside.rmdir()
+    target.rename(aside)
+    try:
+        staging.rename(target)
+    except BaseException:
+        aside.rename(target)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def load_genai_model(folder):
@@ -215,21 +246,36 @@ def _set_library(options: dict, library_name: str, model: str) -> None:
 
 
 def _inside(folder: Path, relative: str, argument: str) -> Path:
-    path = folder / relative
-    if not path.resolve().is_relative_to(folder.resolve()):
+    # The name as written must stay in the folder; a symbolic link there may point anywhere
+    # (a Hugging Face snapshot's files link to its blobs), and the copy follows it.
+    normal = os.path.normpath(relative)
+    if os.path.isabs(relative) or normal == os.pardir or normal.startswith(os.pardir + os.sep):
         raise ValueError(f"{argument}: {GENAI_CONFIG} names {relative!r}, outside the folder")
+    path = folder / relative
     if not path.is_file():
         raise FileNotFoundError(f"{argument}: {GENAI_CONFIG} names {relative!r}, which is not in {folder}")
     return path
 
 
 def _copy_tree(source: Path, destination: Path, skip: set[Path]) -> None:
-    for path in sorted(source.rglob("*")):
-        relative = path.relative_to(source)
-        if relative in skip or path.is_dir():
+    """Every file below ``source`` but ``skip``, symbolic links followed (files and folders
+    alike), so that the copy stands alone; a folder reached twice through links (a cycle) is
+    copied once."""
+    seen = set()
+    for folder, subfolders, files in os.walk(source, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:
+            subfolders[:] = []
             continue
-        (destination / relative).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(path, destination / relative)  # follows symbolic links: the folder stands alone
+        seen.add(real)
+        subfolders.sort()
+        for name in sorted(files):
+            path = Path(folder) / name
+            relative = path.relative_to(source)
+            if relative in skip:
+                continue
+            (destination / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, destination / relative)
 
 
 # -- the models -----------------------------------------------------------------------------

@@ -313,10 +313,38 @@ def test_hard_link_failure_names_the_rule_and_leaves_nothing(source, tmp_path, m
 
     monkeypatch.setattr(genai_module.os, "link", cross_device)
     with pytest.raises(OSError, match="cannot hard-link onnxruntime-extensions' library") as raised:
-        sao.prepare_genai_folder(source, tmp_path / "target")
+        sao.prepare_genai_folder(source, tmp_path / "deep" / "er" / "target")
     assert raised.value.errno == errno.EXDEV
     assert "put target on the filesystem of" in str(raised.value)
-    assert list(tmp_path.iterdir()) == []
+    assert list(tmp_path.iterdir()) == [], "the parent folders it made are gone too"
+
+
+def test_prepare_follows_symbolic_links_as_a_hub_snapshot_lays_them_out(source, tmp_path):
+    """A Hugging Face snapshot: every file a link into ../blobs, a linked subfolder too."""
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshot"
+    shutil.copytree(source, blobs)
+    snapshot.mkdir()
+    for path in blobs.iterdir():
+        (snapshot / path.name).symlink_to(Path("..") / "blobs" / path.name)
+    (snapshot / "loop").symlink_to(".")  # a cycle: walked once
+    target = sao.prepare_genai_folder(snapshot, tmp_path / "target")
+    assert (target / "extra" / "notes.txt").read_bytes() == (source / "extra" / "notes.txt").read_bytes()
+    assert not (target / "extra").is_symlink() and (target / "model.onnx").is_file()
+    assert not (target / "loop").exists()
+    assert json.loads((target / genai_module.RECORD_FILE).read_text())["models"] == ["model.onnx"]
+
+
+def test_prepare_refuses_a_folder_without_sparse_attention(source, tmp_path):
+    other = tmp_path / "dense"
+    other.mkdir()
+    (other / "genai_config.json").write_text(json.dumps({"model": {"decoder": {"filename": "x.onnx"}}}))
+    identity = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["a"], ["b"])], "g",
+                                      [onnx.helper.make_tensor_value_info("a", onnx.TensorProto.FLOAT, [1])],
+                                      [onnx.helper.make_tensor_value_info("b", onnx.TensorProto.FLOAT, [1])])
+    onnx.save(onnx.helper.make_model(identity, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=10), str(other / "x.onnx"))
+    with pytest.raises(ValueError, match="no model that genai_config.json names holds a SparseAttention node"):
+        sao.prepare_genai_folder(other, tmp_path / "target")
+    assert not (tmp_path / "target").exists()
 
 
 def test_load_refuses_a_copied_library(prepared, tmp_path):
