@@ -87,8 +87,10 @@ class SparseAttentionSession(ort.InferenceSession):
         super().__init__(model_bytes, sess_options=sess_options, providers=providers)
 
     def last_stats(self) -> dict:
-        """Per SparseAttention node (by name), what its call did in this thread's last run:
-        :class:`~sparse_attention_op.webgpu.executor.CallStats` (GPU times with ``profile=True``)."""
+        """Per SparseAttention node, what its call did in this thread's last run:
+        :class:`~sparse_attention_op.webgpu.executor.CallStats` (GPU times only with
+        ``profile=True``). Keys are ``"<index>:<node name>"``, the index counting the model's
+        SparseAttention nodes from 0 (names may repeat or be empty), e.g. ``"0:sparse_attention"``."""
         return getattr(self._local, "stats", {})
 
     def _checked(self, method, *args, **kwargs):
