@@ -18,8 +18,8 @@ Per case, medians over --steps steps: the whole ``run``; inside the op, its host
 op's wall time minus its wait for the GPU); the GPU time of its dispatches (timestamps,
 from a second session over the same past, medians over at most 10 steps: timestamps add a
 pass per dispatch and host work, so the timed steps run without them, as a user's do);
-ORT's CPU kernel on the same shapes and history with shared buffers (``--ort``, on by
-default); the Identity floor (ORT passing the two cache tensors through Identity, plain run).
+ORT's CPU kernel on the same shapes and history with shared buffers (``--no-ort`` skips
+it); the Identity floor (ORT passing the two cache tensors through Identity, plain run).
 A prefill case reports ``run`` minus the GPU time. The node's host record is reported
 against the cache's bytes. Where NVML is found (NVIDIA GPUs), the GPU's SM clock is read
 after each timed step and each timestamped one (medians: "SM MHz (run / GPU)"): GPU times
@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import onnxruntime as ort
 
+from sparse_attention_op.arguments import positive
 from sparse_attention_op.benchmarking.clocks import SmClock, median_mhz, sm_clock
 from sparse_attention_op.benchmarking.common import PHI3_SMALL, identity_floor_session, median_seconds
 
@@ -265,7 +266,7 @@ def soak(calls: int, capacity: int, rng) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small capacities (lavapipe's 128 MiB binding limit)")
-    parser.add_argument("--steps", type=int, default=30, help="timed decode steps per case (medians)")
+    parser.add_argument("--steps", type=positive, default=30, help="timed decode steps per case (medians)")
     parser.add_argument("--no-ort", dest="ort", action="store_false", help="skip ORT's CPU kernel")
     parser.add_argument("--no-profile", dest="profile", action="store_false", help="skip the GPU times (the timestamped second session of each case)")
     parser.add_argument("--prefill", type=int, nargs="*", default=None, help="prompt lengths for the prefill overhead case (default 8192; --quick 1024)")
@@ -274,6 +275,9 @@ def main() -> int:
     parser.add_argument("--json", type=str, default=None)
     args = parser.parse_args()
     cases = [case for case in (QUICK if args.quick else ACCEPTANCE) if not args.only or args.only in "/".join(map(str, case))]
+    if args.only and not cases:
+        parser.error(f"--only {args.only!r} matches no case (cases: " +
+                     ", ".join("/".join(map(str, case)) for case in (QUICK if args.quick else ACCEPTANCE)) + ")")
     for _, _, capacity, history in cases:
         # Warm-up and timed steps each add a row, and a step needs a free row: a history
         # that reached the capacity would end the case in an error.

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Measure the platform facts the design rests on (docs/design.md, "Measured facts").
+"""Measure the platform facts the design rests on (docs/design.md sections 2 and 3).
 
     python scripts/measure_platform.py                 # everything, a few seconds
     python scripts/measure_platform.py --only wgpu     # one group: wgpu, ort, bridge, digest
@@ -26,6 +26,8 @@ import sys
 import time
 
 import numpy as np
+
+from sparse_attention_op.arguments import positive
 
 
 def median_us(function, reps: int = 200) -> float:
@@ -242,7 +244,7 @@ def measure_digest() -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=["wgpu", "ort", "bridge", "digest"], nargs="*")
-    parser.add_argument("--capacities", type=int, nargs="*", default=[8192, 131072])
+    parser.add_argument("--capacities", type=positive, nargs="*", default=[8192, 131072])
     args = parser.parse_args()
     groups = args.only or ["wgpu", "ort", "bridge", "digest"]
     print(f"# {' '.join(sys.argv)}\n# {platform.node()} ({os.cpu_count()} CPUs), numpy {np.__version__}")

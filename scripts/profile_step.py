@@ -25,6 +25,7 @@ import time
 
 import onnxruntime as ort
 
+from sparse_attention_op.arguments import non_negative, positive
 from sparse_attention_op.benchmarking.common import PHI3_SMALL
 from bench_decode import Decoder, model_for, node_stats
 
@@ -49,13 +50,17 @@ class Prompter:
         return time.perf_counter() - start
 
 
+#: Untimed steps before the timed ones (the first compiles kernels and uploads the history).
+WARMUP_STEPS = 3
+
+
 def profile(kv_check: str, way: str, capacity: int, history: int, steps: int, rng, prefill: int = 0) -> None:
     options = session_options()
     options.enable_profiling = True
     options.profile_file_prefix = f"/tmp/sao_profile_{os.getpid()}"
     session = sao.create_session(model_for(prefill or capacity, rng), sess_options=options, kv_check=kv_check, profile=bool(prefill))
     driver = Prompter(session, prefill, rng) if prefill else Decoder(session, capacity, history, way, rng)
-    for _ in range(3):
+    for _ in range(WARMUP_STEPS):
         driver.step()
     runs, phases, passes = [], collections.defaultdict(list), collections.defaultdict(list)
     for _ in range(steps):
@@ -115,7 +120,7 @@ def timeline(kv_check: str, way: str, capacity: int, history: int, steps: int, r
     try:
         names = {k: op.opdef.body.__name__ for k, op in bridge._array_ops.items()}
         driver = Decoder(session, capacity, history, way, rng)
-        for _ in range(3):
+        for _ in range(WARMUP_STEPS):
             driver.step()
         rows = collections.defaultdict(list)
         for _ in range(steps):
@@ -150,12 +155,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kv-check", choices=["exact", "fast"], default="fast")
     parser.add_argument("--way", choices=["shared", "plain"], default="shared")
-    parser.add_argument("--capacity", type=int, default=8192)
-    parser.add_argument("--history", type=int, default=8152)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--prefill", type=int, default=0, help="profile prompts of this length instead of decode steps")
+    parser.add_argument("--capacity", type=positive, default=8192)
+    parser.add_argument("--history", type=non_negative, default=8152)
+    parser.add_argument("--steps", type=positive, default=20)
+    parser.add_argument("--prefill", type=non_negative, default=0, help="profile prompts of this length instead of decode steps")
     parser.add_argument("--timeline", action="store_true", help="decode steps without ORT's profiler: time around and inside the bridge's ops")
     args = parser.parse_args()
+    if not args.prefill and args.history + WARMUP_STEPS + args.steps > args.capacity:
+        parser.error(f"--history {args.history}, {WARMUP_STEPS} warm-up steps and --steps {args.steps} must fit --capacity "
+                     f"{args.capacity}: each step adds a row")
     print(f"# {' '.join(sys.argv)}, onnxruntime {ort.__version__}")
     if args.timeline:
         timeline(args.kv_check, args.way, args.capacity, args.history, args.steps, np.random.default_rng(0))

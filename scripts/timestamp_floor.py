@@ -14,6 +14,7 @@ over all the repetitions.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -43,6 +44,7 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     context = get_context()
     if "timestamp-query" not in context.features:
         print("this adapter has no timestamp queries", file=sys.stderr)

@@ -41,6 +41,7 @@ import jinja2
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sparse_attention_op.arguments import positive  # noqa: E402
 from sparse_attention_op.benchmarking.clocks import median_mhz, sm_clock  # noqa: E402
 from sparse_attention_op.benchmarking.common import PHI3_SMALL, spot_check  # noqa: E402
 
@@ -438,9 +439,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="small shapes for lavapipe: prefill 256/512, decode at 1023")
     parser.add_argument("--prefill", type=int, nargs="*", default=None, help="prompt lengths (default 1024 4096 8192)")
     parser.add_argument("--decode", type=int, nargs="*", default=None, help="histories of a decode step (default 8191)")
-    parser.add_argument("--reps", type=int, default=None, help="timed calls per candidate and round (default 3)")
-    parser.add_argument("--repeats", type=int, default=None, help="dispatch list repetitions per call (default 10, --quick 2)")
-    parser.add_argument("--rounds", type=int, default=None, help="round-robin passes over each case's candidates, the least time counts (default 2, --quick 1)")
+    parser.add_argument("--reps", type=positive, default=None, help="timed calls per candidate and round (default 3)")
+    parser.add_argument("--repeats", type=positive, default=None, help="dispatch list repetitions per call (default 10, --quick 2)")
+    parser.add_argument("--rounds", type=positive, default=None, help="round-robin passes over each case's candidates, the least time counts (default 2, --quick 1)")
     parser.add_argument("--only", nargs="*", help="candidate names to run besides 'default'")
     parser.add_argument("--warm-seconds", type=float, default=WARM_SECONDS,
                         help="GPU seconds of the warmer before each timed call (default %(default)s; see WARM_SECONDS; "
@@ -451,6 +452,10 @@ def main() -> int:
     parser.add_argument("--check-len", type=int, default=2048)
     parser.add_argument("--check-local-blocks", type=int, default=2, help="2: about 20%% of the causal pairs at 2048")
     args = parser.parse_args()
+    known = {name for name, _ in PREFILL_CANDIDATES + ROWS_CANDIDATES + DECODE_CANDIDATES}
+    unknown = sorted(set(args.only or ()) - known)
+    if unknown:
+        parser.error(f"--only {unknown[0]!r}: no candidate has that name (candidates: {', '.join(sorted(known))})")
     if args.reps is None:
         args.reps = 3
     if args.rounds is None:

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from . import commands
+from .arguments import non_negative, positive
 
 EPILOG = """examples:
   sparse-attention-op info
@@ -39,27 +40,6 @@ def _dim(text: str) -> tuple[str, int]:
         return name, int(size)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected NAME=SIZE such as total_sequence_length=64, got {text!r}") from None
-
-
-def _integer(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-
-
-def _positive(text: str) -> int:
-    value = _integer(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    value = _integer(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 #: generate's options that only sampling reads, and their defaults (None in args: not given).
@@ -116,22 +96,22 @@ def build_parser() -> argparse.ArgumentParser:
     model_argument(p)
     p.add_argument("--feeds", type=Path, metavar="X.npz", help="feeds by graph input name (np.savez); default: random, unit scale")
     p.add_argument("--compare-ort", action="store_true", help="also run ONNX Runtime's own CPU kernels and compare every output")
-    p.add_argument("--batch", type=_positive, default=1, help="rows of random feeds (default %(default)s)")
-    p.add_argument("--seq", type=_positive, default=8, help="new tokens per row (default %(default)s)")
-    p.add_argument("--past", type=_non_negative, default=0, help="history rows before them (default %(default)s: a prompt)")
-    p.add_argument("--capacity", type=_positive, default=None, help="rows of each KV cache input (default: past + seq)")
-    p.add_argument("--head-size", type=_positive, default=None, help="head size, where the model's shapes do not say it")
+    p.add_argument("--batch", type=positive, default=1, help="rows of random feeds (default %(default)s)")
+    p.add_argument("--seq", type=positive, default=8, help="new tokens per row (default %(default)s)")
+    p.add_argument("--past", type=non_negative, default=0, help="history rows before them (default %(default)s: a prompt)")
+    p.add_argument("--capacity", type=positive, default=None, help="rows of each KV cache input (default: past + seq)")
+    p.add_argument("--head-size", type=positive, default=None, help="head size, where the model's shapes do not say it")
     p.add_argument("--dim", type=_dim, action="append", default=[], metavar="NAME=SIZE", help="size of a symbolic dim (repeatable)")
-    p.add_argument("--seed", type=_non_negative, default=0, help="seed of the random feeds (default %(default)s)")
+    p.add_argument("--seed", type=non_negative, default=0, help="seed of the random feeds (default %(default)s)")
     kv_check_option(p, "exact")
-    p.add_argument("--repeat", type=_positive, default=1, help="runs to time (default %(default)s; the first compiles kernels)")
+    p.add_argument("--repeat", type=positive, default=1, help="runs to time (default %(default)s; the first compiles kernels)")
     p.add_argument("--save", type=Path, metavar="OUT.npz", help="write the outputs")
 
     p = command("generate", commands.generate, "generate tokens from prompt ids with a GenAI-convention decoder (shared KV buffers)")
     model_argument(p)
     p.add_argument("--prompt-ids", type=_token_ids, action="append", required=True, metavar="IDS",
                    help="one prompt as comma-separated token ids; repeat for a batch (rows may differ in length)")
-    p.add_argument("--max-new-tokens", type=_positive, default=32, help="new tokens per row at most (default %(default)s)")
+    p.add_argument("--max-new-tokens", type=positive, default=32, help="new tokens per row at most (default %(default)s)")
     p.add_argument("--compare-ort", action="store_true", help="check the tokens against ONNX Runtime's own CPU kernels (exit 1 if they differ)")
     p.add_argument("--json", metavar="OUT", help='write {"tokens": [[new ids per row]], "ms_per_token": x} to OUT (\'-\': stdout)')
     p.add_argument("--stop-ids", type=_token_ids, default=None, metavar="IDS",
@@ -139,10 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-stop", action="store_true", help="never stop before --max-new-tokens")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy argmax")
     p.add_argument("--temperature", type=float, default=None, help=f"with --sample (default {SAMPLING_DEFAULTS['temperature']})")
-    p.add_argument("--top-k", type=_non_negative, default=None, help="with --sample: keep the k likeliest tokens (default 0: all)")
+    p.add_argument("--top-k", type=non_negative, default=None, help="with --sample: keep the k likeliest tokens (default 0: all)")
     p.add_argument("--top-p", type=float, default=None, help=f"with --sample: nucleus mass (default {SAMPLING_DEFAULTS['top_p']})")
-    p.add_argument("--seed", type=_non_negative, default=None, help="with --sample: seed of the draws")
-    p.add_argument("--capacity", type=_positive, default=None, help="rows of each KV buffer (default: longest prompt + max new tokens)")
+    p.add_argument("--seed", type=non_negative, default=None, help="with --sample: seed of the draws")
+    p.add_argument("--capacity", type=positive, default=None, help="rows of each KV buffer (default: longest prompt + max new tokens)")
     kv_check_option(p, "fast")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -172,8 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("demo", commands.demo, "generate with the bundled multi-layer decoder on WebGPU, checked against ORT CPU and the reference")
     p.add_argument("--model", type=Path, default=None, help="a GenAI model folder (default: models/phi3-small-tiny)")
-    p.add_argument("--prompt", type=_positive, default=40, help="the longer prompt's length (default %(default)s)")
-    p.add_argument("--steps", type=_positive, default=24, help="new tokens per row (default %(default)s)")
+    p.add_argument("--prompt", type=positive, default=40, help="the longer prompt's length (default %(default)s)")
+    p.add_argument("--steps", type=positive, default=24, help="new tokens per row (default %(default)s)")
     return parser
 
 

@@ -1,10 +1,14 @@
-"""The demo: a small decoder attention block with SparseAttention, run through ONNX Runtime.
+"""The demo (``make demo``) and the one-block demo model.
 
-The graph is what a Phi-3-small export looks like around the op, scaled down: a packed QKV
-projection, SparseAttention with rotary and a block-sparse layout (local blocks plus
-vertical stripes), and an output projection. The demo runs a padded two-row prompt and
-then decode steps that feed each present back as the next past, and checks every step
-against the float64 reference.
+:func:`run_demo` runs the bundled multi-layer decoder (models/phi3-small-tiny): a padded
+two-row prompt checked against the float64 reference, then greedy generation on shared KV
+buffers checked token for token against ONNX Runtime's own CPU kernels.
+
+:func:`build_demo_model` is the one-block model of ``export demo`` and the tests
+(models/demo_decoder_attention.onnx): what a Phi-3-small export looks like around the op,
+scaled down: a packed QKV projection, SparseAttention with rotary and a block-sparse layout
+(local blocks plus vertical stripes), and an output projection; :func:`reference_step` is
+its float64 reference.
 """
 
 from __future__ import annotations

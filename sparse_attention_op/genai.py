@@ -16,9 +16,9 @@ imposes, as measured (docs/genai.md):
   ``max_length`` rows, so the presents' native ScatterND nodes write only the new rows in
   place. With it false, the first step is fed a zero-length past, which the op refuses.
 
-Each prepared folder carries one session token (docs/design.md section 4), recorded in
-``sparse_attention_op.json``: models loaded from the same folder share their nodes' GPU
-state, per thread (see load_genai_model).
+Each prepared folder carries one session token, recorded in ``sparse_attention_op.json``
+and stamped into its nodes' identities as create_session stamps its own: models loaded
+from the same folder share their nodes' GPU state, per thread (see load_genai_model).
 """
 
 from __future__ import annotations
