@@ -21,8 +21,11 @@ test: setup
 setup: $(STAMP) vulkan
 
 # Reinstall only when the package metadata changes.
+# A venv that failed half-way (Debian without python3-venv leaves python but no pip) is
+# made again, and a failure says what is missing instead of leaving it for the next run.
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -x $(VENV)/bin/pip || { rm -rf $(VENV) && $(PYTHON) -m venv $(VENV); } || \
+	  { rm -rf $(VENV); echo "cannot create a virtualenv with $(PYTHON) (Debian/Ubuntu: apt-get install python3-venv)"; exit 1; }
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
@@ -32,6 +35,7 @@ $(STAMP): pyproject.toml
 # The question is about the machine, so a SPARSE_ATTENTION_OP_ADAPTER choice is left out
 # of it (one that matches nothing is reported, not answered with a driver install).
 vulkan: $(STAMP)
+	@$(PY) -c "import sparse_attention_op, wgpu"  # a broken install shows its own error, not "no adapter"
 	@if env -u SPARSE_ATTENTION_OP_ADAPTER $(PY) -m sparse_attention_op adapters --native >/dev/null 2>&1; then \
 	  echo "wgpu adapter: $$($(PY) -m sparse_attention_op adapters 2>&1 | head -n 1)"; \
 	else \
