@@ -259,16 +259,10 @@ def _inside(folder: Path, relative: str, argument: str) -> Path:
 
 def _copy_tree(source: Path, destination: Path, skip: set[Path]) -> None:
     """Every file below ``source`` but ``skip``, symbolic links followed (files and folders
-    alike), so that the copy stands alone; a folder reached twice through links (a cycle) is
-    copied once."""
-    seen = set()
+    alike), so that the copy stands alone. A link back to a folder it lies in (a cycle) is
+    not entered; two links to one folder elsewhere give two copies, as ``cp -rL`` does."""
     for folder, subfolders, files in os.walk(source, followlinks=True):
-        real = os.path.realpath(folder)
-        if real in seen:
-            subfolders[:] = []
-            continue
-        seen.add(real)
-        subfolders.sort()
+        subfolders[:] = sorted(name for name in subfolders if not _loops_back(Path(folder) / name, source))
         for name in sorted(files):
             path = Path(folder) / name
             relative = path.relative_to(source)
@@ -276,6 +270,18 @@ def _copy_tree(source: Path, destination: Path, skip: set[Path]) -> None:
                 continue
             (destination / relative).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, destination / relative)
+
+
+def _loops_back(folder: Path, source: Path) -> bool:
+    """Whether ``folder`` is, through links, the same folder as one it lies in below ``source``."""
+    real = os.path.realpath(folder)
+    ancestor = folder.parent
+    while True:
+        if os.path.realpath(ancestor) == real:
+            return True
+        if ancestor == source or ancestor == ancestor.parent:
+            return False
+        ancestor = ancestor.parent
 
 
 # -- the models -----------------------------------------------------------------------------

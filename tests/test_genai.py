@@ -326,9 +326,11 @@ def test_prepare_follows_symbolic_links_as_a_hub_snapshot_lays_them_out(source, 
     snapshot.mkdir()
     for path in blobs.iterdir():
         (snapshot / path.name).symlink_to(Path("..") / "blobs" / path.name)
-    (snapshot / "loop").symlink_to(".")  # a cycle: walked once
+    (snapshot / "loop").symlink_to(".")  # a cycle: not entered
+    (snapshot / "extra_again").symlink_to(Path("..") / "blobs" / "extra")  # a second link to one folder: a second copy
     target = sao.prepare_genai_folder(snapshot, tmp_path / "target")
-    assert (target / "extra" / "notes.txt").read_bytes() == (source / "extra" / "notes.txt").read_bytes()
+    for name in ("extra", "extra_again"):
+        assert (target / name / "notes.txt").read_bytes() == (source / "extra" / "notes.txt").read_bytes()
     assert not (target / "extra").is_symlink() and (target / "model.onnx").is_file()
     assert not (target / "loop").exists()
     assert json.loads((target / genai_module.RECORD_FILE).read_text())["models"] == ["model.onnx"]
