@@ -63,18 +63,22 @@ def attend(queries, keys, values, positions, layout_mask, block_size: int, scale
 
     Key j is visible to the query at position q when j <= q and block j // block_size is
     selected in row q // block_size of ``layout_mask``. A query that sees no key averages V
-    over its whole causal history.
+    over its whole causal history; one whose scores hold a NaN (a NaN or infinite input) is NaN.
     """
-    key_pos = np.arange(keys.shape[0])
-    causal = key_pos[None, :] <= positions[:, None]
-    visible = causal & layout_mask[positions[:, None] // block_size, key_pos[None, :] // block_size]
-    scores = np.where(visible, (queries @ keys.T) * scale, -np.inf)
-    row_max = scores.max(axis=1, keepdims=True)
-    seen = np.isfinite(row_max[:, 0])
-    weights = np.where(visible, np.exp(scores - np.where(seen[:, None], row_max, 0.0)), 0.0)
-    weights[~seen] = causal[~seen].astype(np.float64)
-    weights /= weights.sum(axis=1, keepdims=True)
-    return weights @ values
+    # NaN or infinite inputs are data here: their rows become NaN, without warnings.
+    with np.errstate(invalid="ignore"):
+        key_pos = np.arange(keys.shape[0])
+        causal = key_pos[None, :] <= positions[:, None]
+        visible = causal & layout_mask[positions[:, None] // block_size, key_pos[None, :] // block_size]
+        scores = np.where(visible, (queries @ keys.T) * scale, -np.inf)
+        row_max = scores.max(axis=1, keepdims=True)
+        # Whether a key is visible is structural: a NaN or infinite score (from a NaN or infinite
+        # input) makes the row's softmax NaN; it is not a row that sees no key.
+        seen = visible.any(axis=1)
+        weights = np.where(visible, np.exp(scores - np.where(seen[:, None], row_max, 0.0)), 0.0)
+        weights[~seen] = causal[~seen].astype(np.float64)
+        weights /= weights.sum(axis=1, keepdims=True)
+        return weights @ values
 
 
 def sparse_attention_reference(

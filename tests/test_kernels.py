@@ -10,6 +10,7 @@ import pytest
 
 from helpers import assert_matches_reference, run_executor
 from sparse_attention_op.inputs import CaseConfig, random_inputs
+from sparse_attention_op.reference import sparse_attention_reference
 from sparse_attention_op.spec import OpAttributes, build_call
 from sparse_attention_op.webgpu import kernels
 from sparse_attention_op.webgpu.executor import WebGPUExecutor
@@ -160,6 +161,29 @@ def test_rows_with_no_visible_key_average_their_history(executor, rng, route):
     runner, expect = forced(executor, route)
     config = CaseConfig(seq_len=30, max_cache_len=32, sparse_block_size=8, num_layout=2)
     check(runner, config, rng, expect, inputs=no_reachable_block_inputs(config, rng))
+
+
+@pytest.mark.parametrize("route", [TILED, ROWS, SPLIT, SIMPLE, "split-unfused", "split-merge-pass"])
+def test_a_nan_input_makes_the_rows_that_read_it_nan(executor, rng, route):
+    """As ORT's kernel and the reference: not the "no visible key" average, which is finite."""
+    runner, expect = forced(executor, route)
+    decode = route.startswith(SPLIT)
+    config = CaseConfig(seq_len=1 if decode else 12, past_lengths=(20,) if decode else None, max_cache_len=32,
+                        sparse_block_size=8, num_layout=2, do_rotary=True)
+    inputs = random_inputs(config, rng)
+    inputs["query"][0, 0, 3] = np.nan  # token 0, head 0
+    if decode:
+        inputs["past_key"][0, 1, 5, 2] = np.nan  # a history row of kv head 1
+    else:
+        inputs["key"][0, 4, config.head_size + 2] = np.inf  # token 4, kv head 1: NaN scores after the max
+    shape = build_call(inputs, OpAttributes.from_mapping(config.node_attributes())).shape
+    assert runner.tuning.attention_route(shape) == expect
+    output = run_executor(runner, inputs, config.node_attributes(), "nan")[0]
+    reference = sparse_attention_reference(**inputs, **config.node_attributes())[0]
+    assert np.isnan(reference).any() and not np.isnan(reference).all()
+    assert np.array_equal(np.isnan(output), np.isnan(reference)), "the NaN rows differ from the reference's"
+    finite = ~np.isnan(reference)
+    assert np.allclose(output[finite], reference[finite], atol=2e-3)
 
 
 @pytest.mark.parametrize("route", [SPLIT, "split-unfused", "split-tiles", "split-merge-pass"])
