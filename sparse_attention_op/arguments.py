@@ -6,6 +6,11 @@ from __future__ import annotations
 import argparse
 
 
+class UsageError(ValueError):
+    """Options that contradict each other or a rule, found after parsing (by a command):
+    the command line reports it as argparse reports its own, with exit status 2."""
+
+
 def integer(text: str) -> int:
     try:
         return int(text)

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from . import commands
-from .arguments import non_negative, positive
+from .arguments import UsageError, non_negative, positive
 
 EPILOG = """examples:
   sparse-attention-op info
@@ -145,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo_model.add_argument("output", type=Path, nargs="?", default=DEFAULT_MODEL)
     demo_model.set_defaults(func=commands.export_demo)
     for export_parser in (graph, decoder, demo_model):
+        export_parser.set_defaults(subparser=export_parser)  # usage errors show this command's usage
         traceback_option(export_parser)
 
     p = command("adapters", commands.adapters, "list the wgpu adapters, best first (exit 1 if none)")
@@ -174,6 +175,10 @@ def main(argv=None) -> int:
         args.argv = argv[argv.index("bench") + 1:]
     try:
         return args.func(args)
+    except UsageError as error:
+        if args.traceback:
+            raise
+        args.subparser.error(str(error))  # usage and the message on stderr, exit 2
     except KeyboardInterrupt:
         print("sparse-attention-op: interrupted", file=sys.stderr)
         return 130

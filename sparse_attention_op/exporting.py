@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from .arguments import UsageError
 from .decoder_models import BUNDLED_MODELS, DecoderConfig, write_model_folder
 from .feeds import npz_path
 from .graphs import sparse_attention_model
@@ -60,7 +61,7 @@ def export_graph(args: argparse.Namespace) -> list[Path]:
     )
     for option, given in (("--rotary-dim", args.rotary_dim is not None), ("--interleaved", args.interleaved)):
         if given and not args.rotary:
-            raise ValueError(f"{option} applies to the rotary embedding: add --rotary")
+            raise UsageError(f"{option} applies to the rotary embedding: add --rotary")
     _check_graph_config(config)
     inputs = random_inputs(config, np.random.default_rng(args.seed))
     _check_against_spec(config, inputs)
@@ -84,20 +85,20 @@ def _check_graph_config(config: CaseConfig) -> None:
                           ("--max-cache-len", config.max_cache_len), ("--block", config.sparse_block_size),
                           ("--num-layout", config.num_layout)):
         if value < 1:
-            raise ValueError(f"{option} must be at least 1, got {value}")
+            raise UsageError(f"{option} must be at least 1, got {value}")
     if config.num_heads % config.kv_num_heads or config.num_heads % config.num_layout:
-        raise ValueError(f"--num-heads {config.num_heads} must be a multiple of --kv-num-heads {config.kv_num_heads} and --num-layout {config.num_layout}")
+        raise UsageError(f"--num-heads {config.num_heads} must be a multiple of --kv-num-heads {config.kv_num_heads} and --num-layout {config.num_layout}")
     if config.local_blocks < 0:
-        raise ValueError(f"--local-blocks must be >= 0, got {config.local_blocks}")
+        raise UsageError(f"--local-blocks must be >= 0, got {config.local_blocks}")
     if config.vert_stride < 1:
-        raise ValueError(f"--vert-stride must be at least 1, got {config.vert_stride}")
+        raise UsageError(f"--vert-stride must be at least 1, got {config.vert_stride}")
     past = config.past_lengths[0] if config.past_lengths else 0
     if past < 0:
-        raise ValueError(f"--past must be >= 0, got {past}")
+        raise UsageError(f"--past must be >= 0, got {past}")
     if past + config.seq_len > config.max_cache_len:
-        raise ValueError(f"--past + --seq-len = {past + config.seq_len} must fit --max-cache-len {config.max_cache_len}")
+        raise UsageError(f"--past + --seq-len = {past + config.seq_len} must fit --max-cache-len {config.max_cache_len}")
     if config.max_cache_len % config.sparse_block_size:
-        raise ValueError(f"--max-cache-len {config.max_cache_len} must be a multiple of --block {config.sparse_block_size}")
+        raise UsageError(f"--max-cache-len {config.max_cache_len} must be a multiple of --block {config.sparse_block_size}")
 
 
 def _check_against_spec(config: CaseConfig, inputs: dict) -> None:
@@ -107,7 +108,7 @@ def _check_against_spec(config: CaseConfig, inputs: dict) -> None:
     try:
         build_call(inputs, OpAttributes.from_mapping(config.node_attributes()))
     except SparseAttentionError as error:
-        raise ValueError(f"these options make a graph SparseAttention refuses: {error}") from None
+        raise UsageError(f"these options make a graph SparseAttention refuses: {error}") from None
 
 
 def declared_shapes(config: CaseConfig) -> dict[str, list]:

@@ -189,9 +189,13 @@ def test_an_exported_graph_runs_without_being_told_its_head_size(capsys, tmp_pat
     (["--vert-stride", 0], "--vert-stride must be at least 1"),
 ])
 def test_export_graph_refuses_what_the_op_would_refuse(capsys, tmp_path, options, message):
+    """Usage errors, as argparse's own: the command's usage, one error line, exit 2."""
     graph = tmp_path / "graph.onnx"
-    code, _, err = run_cli(capsys, "export", "graph", graph, *options)
-    assert_one_line_error(code, err, "export: error:", message)
+    with pytest.raises(SystemExit) as usage:
+        cli.main(["export", "graph", str(graph), *map(str, options)])
+    err = capsys.readouterr().err
+    assert usage.value.code == 2 and "usage: sparse-attention-op export graph" in err
+    assert "sparse-attention-op export graph: error: " in err and message in err
     assert not graph.exists()
 
 
