@@ -36,18 +36,15 @@ from pathlib import Path
 from typing import Iterator
 
 import onnx
-from onnx import external_data_helper
 from onnxruntime_extensions import get_library_path
 
 from .bridge import BRIDGE_DOMAIN, BRIDGE_FORMAT, KV_CHECKS, register
 from .inspection import all_nodes
-from .model import is_sparse_attention, prepare_model
+from .model import is_sparse_attention, load_constant_layouts, prepare_model
 from .model_files import GENAI_CONFIG
-from .spec import INPUT_NAMES
 #: What prepare_genai_folder did, for load_genai_model and for people reading the folder.
 #: A separate file: GenAI's config parser rejects keys it does not know.
 RECORD_FILE = "sparse_attention_op.json"
-_LAYOUT_INPUTS = tuple(INPUT_NAMES.index(name) for name in ("block_row_indices", "block_col_indices"))
 
 
 def prepare_genai_folder(source, target, *, kv_check: str = "fast", overwrite: bool = False) -> Path:
@@ -296,15 +293,7 @@ def _load_structure(path: Path) -> onnx.ModelProto:
     if _holds(model, _is_bridge_op):
         # Its nodes carry another folder's token: prepare the original folder instead.
         raise ValueError(f"source: {path.name} is already prepared (it holds the bridge's ops); prepare the original folder")
-    initializers = {init.name: init for init in model.graph.initializer}
-    for node in all_nodes(model.graph):
-        if is_sparse_attention(node):
-            for index in _LAYOUT_INPUTS:
-                tensor = initializers.get(node.input[index]) if index < len(node.input) else None
-                if tensor is not None and external_data_helper.uses_external_data(tensor):
-                    external_data_helper.load_external_data_for_tensor(tensor, str(path.parent))
-                    tensor.data_location = onnx.TensorProto.DEFAULT
-                    del tensor.external_data[:]
+    load_constant_layouts(model, path.parent)
     return model
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
-from .model import is_sparse_attention, node_attributes
+from .model import is_sparse_attention, load_constant_layouts, node_attributes, prepare_model
 from .model_files import ModelFiles
 from .spec import INPUT_NAMES, OUTPUT_NAMES, SparseAttentionError
 
@@ -138,26 +138,14 @@ def refusal(model: onnx.ModelProto, base_dir: Path) -> str | None:
     """Why create_session would refuse ``model`` (the model-level rules prepare_model applies:
     attributes, input types, constant layouts), or None. Layouts kept in external files are
     read for it; other weights are not."""
-    from .model import prepare_model
-
     checked = onnx.ModelProto()
     checked.CopyFrom(model)
-    layouts = _layout_names(checked.graph)
-    for tensor in checked.graph.initializer:
-        if tensor.name in layouts and external_data_helper.uses_external_data(tensor):
-            external_data_helper.load_external_data_for_tensor(tensor, str(base_dir))
-            tensor.data_location = onnx.TensorProto.DEFAULT
+    load_constant_layouts(checked, base_dir)
     try:
         prepare_model(checked)
     except SparseAttentionError as error:
         return str(error)
     return None
-
-
-def _layout_names(graph: onnx.GraphProto) -> set[str]:
-    layout_slots = [INPUT_NAMES.index("block_row_indices"), INPUT_NAMES.index("block_col_indices")]
-    return {node.input[slot] for node in all_nodes(graph) if is_sparse_attention(node)
-            for slot in layout_slots if slot < len(node.input)}
 
 
 def placement(graph: onnx.GraphProto) -> dict[str, dict[str, int]]:

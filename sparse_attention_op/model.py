@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Union
 
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
 from .bridge import BRIDGE_DOMAIN, BRIDGE_FORMAT, KV_CHECKS
 from .rewrite import NodePlan, expand, shared_initializers
@@ -192,6 +192,27 @@ def _constant_names(graph) -> set:
     names.update(node.output[0] for node in graph.node
                  if node.op_type == "Constant" and node.output and any(a.name == "value" for a in node.attribute))
     return names
+
+
+#: The operator's layout inputs, by position.
+LAYOUT_INPUTS = tuple(INPUT_NAMES.index(name) for name in ("block_row_indices", "block_col_indices"))
+
+
+def load_constant_layouts(model: onnx.ModelProto, base_dir: str | os.PathLike) -> None:
+    """Read into ``model`` (in place, stored inline from then on) the external data of every
+    SparseAttention node's constant layout, for a model loaded without its external data:
+    prepare_model checks those values, and they are small. Other weights stay in their files."""
+    initializers = {init.name: init for init in model.graph.initializer}
+    for graph in [model.graph, *_subgraphs(model.graph)]:
+        for node in graph.node:
+            if not is_sparse_attention(node):
+                continue
+            for index in LAYOUT_INPUTS:
+                tensor = initializers.get(node.input[index]) if index < len(node.input) else None
+                if tensor is not None and external_data_helper.uses_external_data(tensor):
+                    external_data_helper.load_external_data_for_tensor(tensor, str(base_dir))
+                    tensor.data_location = onnx.TensorProto.DEFAULT
+                    del tensor.external_data[:]
 
 
 def _subgraphs(graph):
