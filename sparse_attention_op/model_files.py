@@ -72,12 +72,9 @@ def load(files: ModelFiles, *, with_weights: bool = True) -> onnx.ModelProto:
 
 def _decoder_filename(config, config_path: Path) -> str | None:
     """``model.decoder.filename``; a level that is not a JSON object is named, not skipped."""
-    node, where = config, "the file"
-    for key in ("model", "decoder"):
+    node = config
+    for where, key in (("the file", "model"), ("model", "decoder"), ("model.decoder", "filename")):
         if not isinstance(node, dict):
             raise ModelFileError(f"{config_path}: {where} must be a JSON object, got {type(node).__name__}")
-        node, where = node.get(key) or {}, key if where == "the file" else f"{where}.{key}"
-    if not isinstance(node, dict):
-        raise ModelFileError(f"{config_path}: {where} must be a JSON object, got {type(node).__name__}")
-    filename = node.get("filename")
-    return filename if isinstance(filename, str) else None
+        node = node.get(key, {})
+    return node if isinstance(node, str) else None
