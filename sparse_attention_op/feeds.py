@@ -238,7 +238,10 @@ def _shape(graph_input: onnx.ValueInfoProto, use: _Use | None, settings: FeedSet
     for axis, dim in enumerate(dims):
         if dim is not None and dim.HasField("dim_value"):
             shape.append(dim.dim_value)
-            _note_fixed(graph_input.name, axis, dim.dim_value, role_sizes.get(axis), use, settings, notes)
+            cache_rows_axis = use is not None and use.slot in ("past_key", "past_value") and axis == 2
+            if cache_rows_axis and settings.capacity not in (None, dim.dim_value):  # None: --capacity not given
+                notes.append(f"--capacity {settings.capacity} does not apply to '{graph_input.name}': the model fixes "
+                             f"its axis {axis} at {dim.dim_value} rows")
             continue
         name = dim.dim_param if dim is not None else ""
         if name in settings.dims:
@@ -261,15 +264,6 @@ def _shape(graph_input: onnx.ValueInfoProto, use: _Use | None, settings: FeedSet
 
 _SLOT_RANKS = {"query": 3, "key": 3, "value": 3, "past_key": 4, "past_value": 4, "block_row_indices": 2, "block_col_indices": 2,
                "total_sequence_length": 1, "key_total_sequence_lengths": 1, "cos_cache": 2, "sin_cache": 2, "seqlens_k": 1}
-
-
-def _note_fixed(name: str, axis: int, fixed: int, asked: int | None, use: _Use | None, settings: FeedSettings, notes: list[str]) -> None:
-    """A note where the model fixes the cache rows an explicit --capacity asked another size
-    of (it defaults to nothing, so a difference means the user's value)."""
-    if use is None or asked is None or asked == fixed or settings.capacity is None:
-        return
-    if use.slot in ("past_key", "past_value") and axis == 2:
-        notes.append(f"--capacity {settings.capacity} does not apply to '{name}': the model fixes its axis {axis} at {fixed} rows")
 
 
 def _by_name(name: str, settings: FeedSettings) -> int | None:
