@@ -38,9 +38,9 @@ from typing import Iterator
 import onnx
 from onnxruntime_extensions import get_library_path
 
-from .bridge import BRIDGE_DOMAIN, BRIDGE_FORMAT, KV_CHECKS, register
+from .bridge import BRIDGE_FORMAT, KV_CHECKS, register
 from .inspection import all_nodes
-from .model import is_sparse_attention, load_constant_layouts, prepare_model
+from .model import bridge_format, is_sparse_attention, load_constant_layouts, prepare_model
 from .model_files import GENAI_CONFIG
 #: What prepare_genai_folder did, for load_genai_model and for people reading the folder.
 #: A separate file: GenAI's config parser rejects keys it does not know.
@@ -290,7 +290,7 @@ def _load_structure(path: Path) -> onnx.ModelProto:
     relative to the model, so the copied data files serve the rewritten model unchanged.
     """
     model = onnx.load(str(path), load_external_data=False)
-    if _holds(model, _is_bridge_op):
+    if bridge_format(model) is not None:
         # Its nodes carry another folder's token: prepare the original folder instead.
         raise ValueError(f"source: {path.name} is already prepared (it holds the bridge's ops); prepare the original folder")
     load_constant_layouts(model, path.parent)
@@ -299,10 +299,6 @@ def _load_structure(path: Path) -> onnx.ModelProto:
 
 def _holds(model: onnx.ModelProto, predicate) -> bool:
     return any(predicate(node) for node in all_nodes(model.graph))
-
-
-def _is_bridge_op(node: onnx.NodeProto) -> bool:
-    return node.domain == BRIDGE_DOMAIN
 
 
 # -- the library -----------------------------------------------------------------------------
