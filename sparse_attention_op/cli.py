@@ -14,6 +14,7 @@ from pathlib import Path
 
 from . import commands
 from .arguments import UsageError, non_negative, positive
+from .generation import Sampling
 
 EPILOG = """examples:
   sparse-attention-op info
@@ -42,8 +43,8 @@ def _dim(text: str) -> tuple[str, int]:
         raise argparse.ArgumentTypeError(f"expected NAME=SIZE such as total_sequence_length=64, got {text!r}") from None
 
 
-#: generate's options that only sampling reads, and their defaults (None in args: not given).
-SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+#: generate's options that only sampling reads, and their defaults: Sampling's own (None in args: not given).
+SAMPLING_DEFAULTS = {name: getattr(Sampling(), name) for name in ("temperature", "top_k", "top_p")}
 
 
 def resolve_generate_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
