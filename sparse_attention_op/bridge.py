@@ -15,6 +15,10 @@ cache-sized tensor crosses the bridge (docs/design.md, "The graph around the op"
   output, the rotated new key rows and the ScatterND indices that place the new rows in
   the presents.
 
+Where the run's session published views of the node's pasts (pasts.py), no probe or
+history row crosses: the plan op asks for none, and the check and kernel ops read the rows
+from the views.
+
 Facts about the bridge that shape this module (measured, docs/design.md):
 
 * The stock invocation hook turns every output into a Python list (``tolist``), 75x slower
@@ -107,6 +111,7 @@ class SessionRecords:
         self._settings: dict[str, object] = {}
         self._errors: dict[tuple[str, int], BaseException] = {}
         self._stats: dict[tuple[str, int], dict] = {}
+        self._pasts: dict[tuple[str, int], dict] = {}
         self._lock = threading.Lock()
 
     def open(self, token: str, settings) -> None:
@@ -115,7 +120,7 @@ class SessionRecords:
     def close(self, token: str) -> None:
         with self._lock:
             self._settings.pop(token, None)
-            for table in (self._errors, self._stats):
+            for table in (self._errors, self._stats, self._pasts):
                 for key in [k for k in table if k[0] == token]:
                     del table[key]
 
@@ -139,6 +144,20 @@ class SessionRecords:
 
     def pop_stats(self, token: str) -> dict:
         return self._stats.pop((token, threading.get_ident()), {})
+
+    def publish_pasts(self, token: str, views: dict) -> None:
+        """This thread's run of the session feeds these pasts (node key -> (key view, value
+        view), pasts.py): the nodes read their history from them instead of the bridge."""
+        if views:
+            self._pasts[(token, threading.get_ident())] = views
+
+    def withdraw_pasts(self, token: str) -> None:
+        """The run is over: its feeds may be freed, so no view of them may be read again."""
+        self._pasts.pop((token, threading.get_ident()), None)
+
+    def pasts(self, node_key: str) -> tuple | None:
+        views = self._pasts.get((session_token(node_key), threading.get_ident()))
+        return None if views is None else views.get(node_key)
 
 
 records = SessionRecords()
@@ -235,47 +254,55 @@ class _PlanRefused(Exception):
     """The node's plan op refused this call (and recorded why): the later ops only poison."""
 
 
+@dataclass(eq=False)
+class Issued:
+    """What a node's plan op decided about one call, for the node's later ops."""
+
+    number: int
+    shape: CallShape
+    #: The fast check's probes: (chunk rows, probe chunks (batch, probes), flat probe rows).
+    probes: tuple | None = None
+    #: Read-only views of the caller's past_key/past_value (pasts.py), when the run fed
+    #: them where the op can read them; the history then never crosses the bridge.
+    pasts: tuple | None = None
+    #: The kernel op compares the history read from ``pasts`` with what the GPU holds: the
+    #: exact check, or a fast check whose probes disagreed.
+    read_pasts: bool = False
+
+
 class _Tickets:
-    """The call shape each node's plan op validated, for its (check and) kernel ops of the same run.
+    """What each node's plan op decided, for its (check and) kernel ops of the same run.
 
     The plan op hands a ticket (a one-element int64 tensor) to the later ops instead of
     the eleven shape and length tensors they would otherwise take and describe again: fewer
-    inputs for the bridge to copy, no second description. The fast check's probe chunks
-    travel with it too (the plan op chose them). Per thread: ORT runs the ops of one
-    node on the thread that called ``run`` (sequential execution), in data order. A
-    session's entries go when it closes (:meth:`forget`).
+    inputs for the bridge to copy, no second description. The ticket redeems an
+    :class:`Issued`. Per thread: ORT runs the ops of one node on the thread that called
+    ``run`` (sequential execution), in data order. A session's entries go when it closes
+    (:meth:`forget`).
     """
 
     REFUSED = -1
 
     def __init__(self):
-        self._issued: dict[tuple[int, str], tuple[int, CallShape, tuple | None]] = {}
+        self._issued: dict[tuple[int, str], Issued] = {}
         self._count = 0
         # Re-entrant: a session's finaliser (forget) can run inside issue on the same thread.
         self._lock = threading.RLock()
 
-    def issue(self, node_key: str, shape: CallShape, probes: tuple | None = None) -> np.ndarray:
-        """A ticket for ``shape`` (and the fast check's ``(chunk_rows, probe chunks)``, if any)."""
+    def issue(self, node_key: str, shape: CallShape, **decided) -> np.ndarray:
+        """A ticket for ``shape`` and what else the plan op ``decided`` (Issued's fields)."""
         with self._lock:
             self._count += 1
             number = self._count
-            self._issued[(threading.get_ident(), node_key)] = (number, shape, probes)
+            self._issued[(threading.get_ident(), node_key)] = Issued(number, shape, **decided)
         return np.array([number], np.int64)
 
-    def redeem(self, node_key: str, ticket: np.ndarray) -> CallShape:
-        return self._redeemed(node_key, ticket)[1]
-
-    def redeem_probes(self, node_key: str, ticket: np.ndarray) -> tuple[CallShape, tuple | None]:
-        """The shape and the probes the plan op issued the ticket with."""
-        _, shape, probes = self._redeemed(node_key, ticket)
-        return shape, probes
-
-    def _redeemed(self, node_key: str, ticket: np.ndarray) -> tuple:
+    def redeem(self, node_key: str, ticket: np.ndarray) -> Issued:
         number = int(ticket.reshape(-1)[0]) if ticket.size == 1 else self.REFUSED
         if number == self.REFUSED:
             raise _PlanRefused()
         issued = self._issued.get((threading.get_ident(), node_key))
-        if issued is None or issued[0] != number:
+        if issued is None or issued.number != number:
             raise SparseAttentionError(
                 f"SparseAttention: ticket {number} of node {node_key} was not issued by its plan op on this thread: the node's "
                 "ops must run on one thread, in order (ORT_SEQUENTIAL execution; sparse_attention_op.session.session_options() refuses ORT_PARALLEL)")
@@ -316,20 +343,24 @@ def _chunk_rows(info: NodeInfo, head_size: int, settings) -> int:
 def plan_op(*inputs, **attributes):
     """Shapes and lengths -> probe row indices, the new tokens' rotary rows, how many layouts cross,
     the target shapes of the native Reshapes (past as rows, the new rows by head, the
-    output), and the history rows of the call (the exact check's Slice end: it reads them
-    all, so its nodes need no check op). Every native node that could fail on a malformed
-    input depends on one of these outputs, so this op's own check runs first and its
-    message is the one reported."""
+    output), and how many history rows cross (the exact check reads them all, so its nodes
+    need no check op; none where the run fed the pasts where the op reads them in place,
+    pasts.py). Every native node that could fail on a malformed input depends on one of
+    these outputs, so this op's own check runs first and its message is the one reported."""
     info = node_info(attributes)
     shape_arrays, (total, key_totals) = inputs[: len(SHAPED_INPUTS)], inputs[len(SHAPED_INPUTS) :]
     shape, known = _describe(info, shape_arrays, total, key_totals)
-    probes = None
+    pasts = None if shape.is_prompt else _readable_pasts(info, shape)
+    probes, rows = None, _NO_ROWS
     if info.kv_check == "fast" and not shape.is_prompt:
         chunk_rows = _chunk_rows(info, shape.head_size, _settings(info))
-        probes = (chunk_rows, probe_chunks(shape.past_lengths, chunk_rows, shape.total_sequence_length))
-        rows = probe_row_indices(probes[1], chunk_rows, shape.attributes.kv_num_heads, shape.max_cache_len)
-    else:
-        rows = _NO_ROWS
+        chunks = probe_chunks(shape.past_lengths, chunk_rows, shape.total_sequence_length)
+        probe_rows = probe_row_indices(chunks, chunk_rows, shape.attributes.kv_num_heads, shape.max_cache_len)
+        probes = (chunk_rows, chunks, probe_rows)
+        if pasts is None:  # the probe rows cross; with pasts, the check op reads them in place
+            rows = probe_rows
+    exact_in_place = pasts is not None and info.kv_check == "exact"
+    history_rows = 0 if exact_in_place else shape.history_rows
     positions = shape.token_positions if shape.attributes.do_rotary else _NO_ROWS
     layouts = 0 if info.constant_layout and _executor().knows_layout(info.node_key) else shape.num_layout
     return (
@@ -339,9 +370,21 @@ def plan_op(*inputs, **attributes):
         known.past_rows_shape,
         known.split_shape,
         known.output_shape,
-        np.array([shape.history_rows], np.int64),
-        tickets.issue(info.node_key, shape, probes),
+        np.array([history_rows], np.int64),
+        tickets.issue(info.node_key, shape, probes=probes, pasts=pasts, read_pasts=exact_in_place),
     )
+
+
+def _readable_pasts(info: NodeInfo, shape: CallShape) -> tuple | None:
+    """The views of this node's pasts the run published (pasts.py), if they have the shape
+    the node was given and the dtype its graph keeps."""
+    pasts = records.pasts(info.node_key)
+    if pasts is None:
+        return None
+    dtype = np.float16 if info.float16_storage else np.float32
+    if any(view.shape != shape.cache_shape or view.dtype != dtype for view in pasts):
+        return None
+    return pasts
 
 
 def _plan_poison(inputs):
@@ -356,17 +399,23 @@ def _plan_poison(inputs):
 
 def check_op(probe_key, probe_value, ticket, **attributes):
     """The fast check: probe rows -> how many history rows must cross (0: the resident cache
-    holds the past)."""
+    holds the past, or the kernel op reads the history in place)."""
     info = node_info(attributes)
-    shape, issued_probes = tickets.redeem_probes(info.node_key, ticket)
+    issued = tickets.redeem(info.node_key, ticket)
+    shape = issued.shape
     if shape.is_prompt:
         return (np.zeros(1, np.int64),)
-    chunk_rows, probes = issued_probes  # a fast node's plan op chose them for every decode call
+    chunk_rows, chunks, probe_rows = issued.probes  # a fast node's plan op chose them for every decode call
     b, heads, _, h = shape.cache_shape
-    rows = (b, heads, probes.shape[1] * chunk_rows, h)
+    rows = (b, heads, chunks.shape[1] * chunk_rows, h)
+    if issued.pasts is not None:
+        probe_key, probe_value = (view.reshape(-1, h)[probe_rows].astype(np.float32, copy=False) for view in issued.pasts)
     if probe_key.size == np.prod(rows) and _executor().cache_holds(
-        info.node_key, shape, probes, probe_key.reshape(rows), probe_value.reshape(rows), info.float16_storage, _settings(info)
+        info.node_key, shape, chunks, probe_key.reshape(rows), probe_value.reshape(rows), info.float16_storage, _settings(info)
     ):
+        return (np.zeros(1, np.int64),)
+    if issued.pasts is not None:
+        issued.read_pasts = True
         return (np.zeros(1, np.int64),)
     return (np.array([shape.history_rows], np.int64),)
 
@@ -378,7 +427,10 @@ def _check_poison(inputs):
 def kernel_op(query, key, value, history_key, history_value, block_rows, block_cols, cos_rows, sin_rows, ticket, **attributes):
     """The GPU call: output, rotated new key rows (empty without rotary), ScatterND indices."""
     info = node_info(attributes)
-    shape = tickets.redeem(info.node_key, ticket)
+    issued = tickets.redeem(info.node_key, ticket)
+    shape = issued.shape
+    if issued.read_pasts:  # the history is read where the caller keeps it (pasts.py)
+        history_key, history_value = issued.pasts
     layout_given = block_rows.shape[0] > 0
     rotary = shape.attributes.do_rotary
     call = assemble_call(
@@ -395,6 +447,7 @@ def kernel_op(query, key, value, history_key, history_value, block_rows, block_c
         float16_storage=info.float16_storage,
     )
     result = _executor().run(call, info.node_key, _settings(info), reuse_host_arrays=True)
+    result.stats.history_read_in_place = issued.read_pasts
     records.record_stats(info.token, info.node_key, result.stats)
     new_key = result.new_key if result.new_key is not None else np.zeros(0, np.float32)
     return result.output, new_key, scatter_indices(shape)

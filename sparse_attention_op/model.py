@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 from typing import Union
 
+import numpy as np
 import onnx
 from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
@@ -54,6 +55,13 @@ def prepare_model(model: ModelLike, *, session_token: str | None = None, kv_chec
     token, so two models prepared separately never share GPU state. ``kv_check`` is the
     resident cache's check, ``"exact"`` or ``"fast"`` (see create_session).
     """
+    return prepare_for_session(model, session_token=session_token, kv_check=kv_check)[0]
+
+
+def prepare_for_session(model: ModelLike, *, session_token: str | None = None, kv_check: str = "exact") -> tuple[onnx.ModelProto, dict]:
+    """prepare_model, and the nodes whose pasts a session may read in place (pasts.py):
+    node key -> (past_key input name, past_value input name, element type), for the
+    nodes of the main graph whose two pasts are graph inputs."""
     if kv_check not in KV_CHECKS:
         raise ValueError(f"kv_check must be one of {KV_CHECKS}, got {kv_check!r}")
     prepared = load_model(model)
@@ -62,7 +70,8 @@ def prepare_model(model: ModelLike, *, session_token: str | None = None, kv_chec
     main = prepared.graph
     types = tensor_types(prepared)
     constants = _constant_names(main)
-    initializers, count = [], 0
+    graph_inputs = {i.name for i in main.input} - {init.name for init in main.initializer}
+    initializers, count, past_inputs = [], 0, {}
     # Subgraph (If/Loop/Scan) bodies are rewritten in place; their new constants go to the
     # main graph, whose initializers every body can see.
     for graph in [main, *_subgraphs(main)]:
@@ -73,6 +82,9 @@ def prepare_model(model: ModelLike, *, session_token: str | None = None, kv_chec
                 continue
             plan = _plan(node, f"{token}/{count}:{node.name}", kv_check, types, constants | _constant_names(graph), main, graph)
             expanded, private = expand(plan)
+            pasts = (node.input[INPUT_NAMES.index("past_key")], node.input[INPUT_NAMES.index("past_value")])
+            if graph is main and all(name in graph_inputs for name in pasts):
+                past_inputs[plan.node_key] = (*pasts, np.dtype(np.float16 if plan.float16 else np.float32))
             nodes.extend(expanded)
             initializers.extend(private)
             count += 1
@@ -85,7 +97,7 @@ def prepare_model(model: ModelLike, *, session_token: str | None = None, kv_chec
         if not any(op.domain == BRIDGE_DOMAIN for op in prepared.opset_import):
             prepared.opset_import.append(helper.make_opsetid(BRIDGE_DOMAIN, 1))
         _set_metadata(prepared, FORMAT_KEY, str(BRIDGE_FORMAT))
-    return prepared
+    return prepared, past_inputs
 
 
 def bridge_format(model: onnx.ModelProto) -> int | None:

@@ -15,6 +15,9 @@ native:
     past, indices, new keys --ScatterND--> present_key
     past, indices, value rows (Reshape, Transpose of the input) --ScatterND--> present_value
 
+Where a session reads the caller's pasts in place (pasts.py), the plan op sets F = 0 and the
+probe rows to none: the same graph, nothing history-sized copied.
+
 Bound to one buffer with past (IO binding, as ORT GenAI runs it), ScatterND writes in place:
 no cache-sized copy at all. With plain ``run`` ScatterND copies the past into a fresh present
 once, as ORT's own kernel does. Float16 nodes cast only what crosses to float32 (the

@@ -10,7 +10,8 @@ import onnxruntime as ort
 from onnxruntime_extensions import get_library_path
 
 from .bridge import KV_CHECKS, records, register
-from .model import ModelLike, prepare_model
+from .model import ModelLike, prepare_for_session
+from .pasts import PastInputs, RecordingIOBinding, past_views
 from .spec import SparseAttentionError
 
 #: Marks SessionOptions that already carry the extensions library: registering it twice on
@@ -77,11 +78,12 @@ class SparseAttentionSession(ort.InferenceSession):
     ``profile``, ``f16_cache``) belong to the session.
     """
 
-    def __init__(self, model_bytes: bytes, sess_options, providers, token: str, settings, kv_check: str):
+    def __init__(self, model_bytes: bytes, sess_options, providers, token: str, settings, kv_check: str, past_inputs: PastInputs):
         records.open(token, settings)
         self.sparse_attention_token = token
         self.kv_check = kv_check
         self.settings = settings
+        self._past_inputs = dict(past_inputs)
         self._finalizer = weakref.finalize(self, _close_session, token)
         self._local = threading.local()
         super().__init__(model_bytes, sess_options=sess_options, providers=providers)
@@ -93,18 +95,28 @@ class SparseAttentionSession(ort.InferenceSession):
         SparseAttention nodes from 0 (names may repeat or be empty), e.g. ``"0:sparse_attention"``."""
         return getattr(self._local, "stats", {})
 
-    def _checked(self, method, *args, **kwargs):
+    def io_binding(self) -> RecordingIOBinding:
+        """An IOBinding (onnxruntime's own, which also notes what each input is bound to, so
+        that the nodes read bound pasts in place: see :mod:`sparse_attention_op.pasts`)."""
+        return RecordingIOBinding(self)
+
+    def _checked(self, method, feeds, *args):
+        """``method(*args)`` with the errors refused inside nodes raised, and the pasts among
+        ``feeds`` (graph input name -> what the caller gave) published for the nodes."""
         token = self.sparse_attention_token
         records.pop_error(token)  # nothing stale from an earlier run
         records.pop_stats(token)
+        if self._past_inputs and feeds:
+            records.publish_pasts(token, past_views(self._past_inputs, feeds))
         try:
-            result = method(*args, **kwargs)
+            result = method(*args)
         except Exception as failure:
             refused = records.pop_error(token)
             if refused is not None:
                 raise refused from failure
             raise
         finally:
+            records.withdraw_pasts(token)
             self._local.stats = records.pop_stats(token)
         refused = records.pop_error(token)
         if refused is not None:
@@ -112,13 +124,18 @@ class SparseAttentionSession(ort.InferenceSession):
         return result
 
     def run(self, output_names, input_feed, run_options=None):
-        return self._checked(super().run, output_names, input_feed, run_options or _QUIET_RUN)
+        feeds = input_feed if isinstance(input_feed, dict) else None
+        return self._checked(super().run, feeds, output_names, input_feed, run_options or _QUIET_RUN)
 
     def run_with_ort_values(self, output_names, input_dict_ort_values, run_options=None):
-        return self._checked(super().run_with_ort_values, output_names, input_dict_ort_values, run_options or _QUIET_RUN)
+        feeds = input_dict_ort_values if isinstance(input_dict_ort_values, dict) else None
+        return self._checked(super().run_with_ort_values, feeds, output_names, input_dict_ort_values, run_options or _QUIET_RUN)
 
     def run_with_iobinding(self, iobinding, run_options=None):
-        return self._checked(super().run_with_iobinding, iobinding, run_options or _QUIET_RUN)
+        # Only a binding of io_binding() says what it holds; any other runs as well, its
+        # history crossing the bridge.
+        feeds = iobinding.bound_inputs if isinstance(iobinding, RecordingIOBinding) else None
+        return self._checked(super().run_with_iobinding, feeds, iobinding, run_options or _QUIET_RUN)
 
 
 def create_session(
@@ -136,10 +153,12 @@ def create_session(
     Runtime's CPU kernels (or the given providers). Each node keeps its KV cache on the GPU
     between calls and checks the past it is fed against what it holds:
 
-    * ``kv_check="exact"`` (default): every history row crosses to the op and is compared
-      through per-chunk 64-bit digests; only rows that differ are uploaded. Results are
-      those of the past you feed, whatever it is. Cost follows the history, not the cache's
-      capacity.
+    * ``kv_check="exact"`` (default): every history row is compared through per-chunk
+      64-bit digests; only rows that differ are uploaded. Results are those of the past you
+      feed, whatever it is. Cost follows the history, not the cache's capacity. The rows are
+      read where they lie: the past arrays given to ``run``, the OrtValues given to
+      ``run_with_ort_values`` or bound through :meth:`SparseAttentionSession.io_binding`
+      (:mod:`sparse_attention_op.pasts` says when); other pasts cross the bridge, sliced.
     * ``kv_check="fast"``: only lengths and probe rows cross (each sequence's last rows and
       a few rows spread over its history); when they disagree the call falls back to the
       exact check. Cost per step is constant. It cannot see a change confined to rows it did
@@ -155,7 +174,7 @@ def create_session(
     if kv_check not in KV_CHECKS:
         raise ValueError(f"kv_check must be one of {KV_CHECKS}, got {kv_check!r}")
     token = uuid.uuid4().hex
-    prepared = prepare_model(model, session_token=token, kv_check=kv_check)
+    prepared, past_inputs = prepare_for_session(model, session_token=token, kv_check=kv_check)
     register()
     try:
         return SparseAttentionSession(
@@ -165,6 +184,7 @@ def create_session(
             token,
             ExecutionSettings(profile=profile, f16_cache=f16_cache),
             kv_check,
+            past_inputs,
         )
     except Exception as error:
         if "Conflicting with a registered kernel" not in str(error):

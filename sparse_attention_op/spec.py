@@ -384,7 +384,8 @@ class SparseAttentionCall:
     """One validated GPU call: its shape facts and the (read-only) tensors it needs.
 
     ``history_key``/``history_value`` hold cache rows ``[0, F)`` of every batch row, as the
-    caller's past has them: ``F == 0`` means "use what the resident cache holds" (the fast
+    caller's past has them (float32 as crossed, or the caller's own float32 or float16
+    arrays read in place): ``F == 0`` means "use what the resident cache holds" (the fast
     check found it current), otherwise ``F >= shape.history_rows`` and the cache compares
     them with what it holds (the exact check). ``cos_rows``/``sin_rows`` are the rotary table
     rows of ``shape.token_positions``, one per new token. The layout arrays are ``None`` when the node's

@@ -2,8 +2,11 @@
 
 Ways: ``plain`` feeds numpy pasts and feeds each present back; ``shared`` binds past and
 present to one buffer (IO binding, as ORT GenAI runs it), where the presents are written in
-place. Every step is compared with the float64 reference; the node's call statistics say how
-many history rows crossed and went to the GPU (functional checks, not timings)."""
+place; ``ort_values`` feeds OrtValues (run_with_ort_values). Routes: the session reads the
+history from the caller's pasts in place (pasts.py), or, as for a plain InferenceSession or
+ORT GenAI, the rows cross the bridge (``bridge``). Every step is compared with the float64
+reference; the node's call statistics say how many history rows were compared, where they
+were read and how many went to the GPU (functional checks, not timings)."""
 
 import logging
 import re
@@ -27,6 +30,15 @@ CONFIG = CaseConfig(batch=3, seq_len=6, num_heads=4, kv_num_heads=2, head_size=3
 LAYOUT = ("block_row_indices", "block_col_indices", "cos_cache", "sin_cache")
 MODES = ["exact", "fast"]
 WAYS = ["plain", "shared"]
+ROUTES = ["in_place", "bridge"]
+
+
+@pytest.fixture(params=ROUTES)
+def route(request, monkeypatch):
+    """How the history reaches the op; ``bridge`` is what sessions that cannot see the feeds get."""
+    if request.param == "bridge":
+        monkeypatch.setattr(sao.session, "past_views", lambda past_inputs, feeds: {})
+    return request.param
 
 
 def new_session(rng, kv_check, config=CONFIG, dtype=np.float32):
@@ -60,6 +72,9 @@ class Generation:
         if self.way == "plain":
             self.output, present_key, present_value = self.session.run(None, self.feeds())
             self.past = [present_key, present_value]
+        elif self.way == "ort_values":
+            feeds = {name: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value)) for name, value in self.feeds().items()}
+            self.output, *self.past = (value.numpy() for value in self.session.run_with_ort_values(None, feeds))
         else:
             self.output = run_shared(self.session, self.feeds(), self.past)
         if check:
@@ -103,9 +118,9 @@ def test_bind_shared_names_each_mistake(rng):
     sao.bind_shared(session, feeds, values)  # the right arguments bind
 
 
-@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize("way", WAYS + ["ort_values"])
 @pytest.mark.parametrize("kv_check", MODES)
-def test_decode_steps_move_no_history(executor, rng, kv_check, way):
+def test_decode_steps_move_no_history(executor, rng, kv_check, way, route):
     generation = Generation(new_session(rng, kv_check), rng, way)
     first = generation.step()
     assert first.history_rows_compared == 0 and first.history_rows_uploaded == 0, "a prompt reads no history"
@@ -114,8 +129,67 @@ def test_decode_steps_move_no_history(executor, rng, kv_check, way):
         assert stats.history_rows_uploaded == 0
         if kv_check == "fast":
             assert stats.history_rows_compared == 0, "the fast check passed: no history row crossed"
+            assert not stats.history_read_in_place
         else:
             assert stats.history_rows_compared == 2 * CONFIG.kv_num_heads * int((generation.lengths - 1).sum())
+            assert stats.history_read_in_place == (route == "in_place")
+
+
+@pytest.mark.parametrize("kv_check", MODES)
+def test_pasts_ort_cannot_be_read_in_place_cross_the_bridge(executor, rng, kv_check):
+    """A past ORT would convert (not C-contiguous), or bound through an IOBinding the session
+    did not make, is never read in place: its history crosses and the results stay exact."""
+    session = new_session(rng, kv_check)
+    generation = Generation(session, rng, "plain", prompt_lengths=(6, 6, 6))
+    generation.step()
+    generation.step()
+    # Reordered rows (the fast check fails) in Fortran order: ORT copies such a feed.
+    generation.past = [p[[2, 0, 1]] for p in generation.past]
+    generation.lengths = generation.lengths[[2, 0, 1]]
+    generation.next()
+    for name in ("past_key", "past_value"):
+        generation.inputs[name] = np.asfortranarray(generation.inputs[name])
+    stats = generation.step()
+    assert stats.history_rows_uploaded > 0 and not stats.history_read_in_place
+    feeds = generation.feeds()
+    inputs = {k: v.astype(np.float64) if v.dtype.kind == "f" else v for k, v in generation.inputs.items()}
+    values = {name: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(p)) for name, p in zip(("past_key", "past_value"), generation.past)}
+    binding = ort.IOBinding(session)  # not session.io_binding(): nothing says what it holds
+    for name, value in feeds.items():
+        if name in values:
+            binding.bind_ortvalue_input(name, values[name])
+        else:
+            binding.bind_cpu_input(name, value)
+    binding.bind_output("output")
+    session.run_with_iobinding(binding)
+    stats = next(iter(session.last_stats().values()))
+    assert not stats.history_read_in_place
+    assert stats.history_rows_compared == (0 if kv_check == "fast" else 2 * CONFIG.kv_num_heads * int(generation.lengths.sum()))
+    expected = sparse_attention_reference(**inputs, **CONFIG.node_attributes())[0]
+    assert_close(binding.copy_outputs_to_cpu()[0], expected, "output through a foreign IOBinding")
+
+
+def test_pasts_bound_by_pointer_are_read_in_place(executor, rng):
+    session = new_session(rng, "exact")
+    generation = Generation(session, rng, "plain")
+    generation.step()
+    feeds = generation.feeds()
+    binding = session.io_binding()
+    for name, value in feeds.items():
+        if name in ("past_key", "past_value"):
+            binding.bind_input(name, "cpu", 0, np.float32, value.shape, value.ctypes.data)
+        else:
+            binding.bind_cpu_input(name, value)
+    binding.bind_output("output")
+    session.run_with_iobinding(binding)
+    stats = next(iter(session.last_stats().values()))
+    assert stats.history_read_in_place and stats.history_rows_uploaded == 0
+    inputs = {k: v.astype(np.float64) if v.dtype.kind == "f" else v for k, v in generation.inputs.items()}
+    expected = sparse_attention_reference(**inputs, **CONFIG.node_attributes())[0]
+    assert_close(binding.copy_outputs_to_cpu()[0], expected, "output with pasts bound by pointer")
+    from sparse_attention_op.bridge import records
+
+    assert records.pasts(session.sparse_attention_token + "/0:sparse_attention") is None, "the run's views are withdrawn when it returns"
 
 
 def test_shared_buffers_are_written_in_place(executor, rng):
@@ -132,7 +206,7 @@ def test_shared_buffers_are_written_in_place(executor, rng):
 
 @pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("kv_check", MODES)
-def test_restart_in_the_same_session(executor, rng, kv_check, way):
+def test_restart_in_the_same_session(executor, rng, kv_check, way, route):
     session = new_session(rng, kv_check)
     first = Generation(session, rng, way)
     for _ in range(3):
@@ -145,7 +219,7 @@ def test_restart_in_the_same_session(executor, rng, kv_check, way):
 
 @pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("kv_check", MODES)
-def test_beam_reorder(executor, rng, kv_check, way):
+def test_beam_reorder(executor, rng, kv_check, way, route):
     generation = Generation(new_session(rng, kv_check), rng, way, prompt_lengths=(6, 6, 6))
     generation.step()
     generation.step()
@@ -160,7 +234,7 @@ def test_beam_reorder(executor, rng, kv_check, way):
 
 
 @pytest.mark.parametrize("kv_check", MODES)
-def test_edit_in_the_last_rows_is_caught(executor, rng, kv_check):
+def test_edit_in_the_last_rows_is_caught(executor, rng, kv_check, route):
     generation = Generation(new_session(rng, kv_check), rng, "plain")
     generation.step()
     generation.step()
@@ -173,7 +247,7 @@ def test_edit_in_the_last_rows_is_caught(executor, rng, kv_check):
     assert generation.step().history_rows_uploaded == 0
 
 
-def test_exact_check_catches_a_single_bit_in_the_middle(executor, rng):
+def test_exact_check_catches_a_single_bit_in_the_middle(executor, rng, route):
     generation = Generation(new_session(rng, "exact"), rng, "plain")
     for _ in range(3):
         generation.step()
@@ -288,7 +362,7 @@ def test_a_host_fault_is_not_reported_as_a_gpu_failure(executor, rng, monkeypatc
 
 @pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("kv_check", MODES)
-def test_float16_chain_needs_no_reupload(executor, rng, kv_check, way):
+def test_float16_chain_needs_no_reupload(executor, rng, kv_check, way, route):
     # The graph stores the presents as float16 and the next past crosses as float32: the op
     # produces float16 values for the rotated keys, or every step would re-upload history.
     generation = Generation(new_session(rng, kv_check, dtype=np.float16), rng, way, dtype=np.float16)

@@ -382,7 +382,7 @@ def test_plan_tickets_belong_to_their_node_and_thread():
 
     tickets, shape = _Tickets(), object()
     ticket = tickets.issue("token/node-a", shape)
-    assert tickets.redeem("token/node-a", ticket) is shape
+    assert tickets.redeem("token/node-a", ticket).shape is shape
     for node, number in (("token/node-b", ticket), ("token/node-a", ticket + 1)):
         with pytest.raises(SparseAttentionError, match="was not issued by its plan op on this thread"):
             tickets.redeem(node, number)

@@ -66,6 +66,9 @@ class CallStats:
     upload_bytes: int = 0
     history_rows_compared: int = 0
     history_rows_uploaded: int = 0
+    #: The compared history was read from the caller's own past tensors, not sent through
+    #: the bridge (set by the bridge: sparse_attention_op/pasts.py).
+    history_read_in_place: bool = False
     #: Host time of the call's phases (seconds), to see where a call's time goes.
     phases: dict = field(default_factory=dict)
 
