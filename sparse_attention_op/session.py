@@ -75,7 +75,8 @@ class SparseAttentionSession(ort.InferenceSession):
 
     Its nodes carry this session's own token, so its GPU state is never shared with another
     session, and is freed when the session is collected. Settings (``kv_check``,
-    ``profile``, ``f16_cache``) belong to the session.
+    ``profile``, ``f16_cache``) belong to the session. Each run hands its nodes views of
+    the past feeds it can read in place (:mod:`sparse_attention_op.pasts`).
     """
 
     def __init__(self, model_bytes: bytes, sess_options, providers, token: str, settings, kv_check: str, past_inputs: PastInputs):
