@@ -1,9 +1,8 @@
 """The onnxruntime-extensions PyOps that carry a SparseAttention node's work to the executor.
 
 prepare_model (model.py) replaces each SparseAttention node by native ONNX Runtime nodes
-around the bridge's PyOps (three for a fast node, two for an exact one and for the fast
-nodes of create_session that probe in the plan op, below), so that no cache-sized tensor
-crosses the bridge (docs/design.md, "The graph around the op"):
+around the bridge's PyOps (three for a fast node, two for an exact one), so that no
+cache-sized tensor crosses the bridge (docs/design.md, "The graph around the op"):
 
 * ``SparseAttentionPlan`` sees shapes and lengths only. It validates them and says which
   past rows the fast check probes, which cos/sin rows the call's tokens read, whether the
@@ -16,10 +15,9 @@ crosses the bridge (docs/design.md, "The graph around the op"):
   output, the rotated new key rows and the ScatterND indices that place the new rows in
   the presents.
 
-Where the run's session published views of the node's pasts (pasts.py), no history row
-crosses: the plan op asks for none and the kernel op reads the rows from the views. The fast
-nodes of create_session's graphs whose pasts are graph inputs have no check op: their plan
-op probes the views (``FAST_IN_PLAN``); without views it asks for the whole history.
+Where the run's session published views of the node's pasts (pasts.py), no probe or
+history row crosses: the plan op asks for none, and the check and kernel ops read the rows
+from the views.
 
 Facts about the bridge that shape this module (measured, docs/design.md):
 
@@ -65,13 +63,9 @@ BRIDGE_FORMAT = 2
 #: Attributes prepare_model stamps on each of a node's ops, besides the operator's own.
 NODE_KEY_ATTRIBUTE = "sao_node_key"  # "<session token>/<node identity>"
 STORAGE_ATTRIBUTE = "sao_storage"  # "float16" when the graph keeps the node's tensors in float16
-KV_CHECK_ATTRIBUTE = "sao_kv_check"  # "exact", "fast" or FAST_IN_PLAN
+KV_CHECK_ATTRIBUTE = "sao_kv_check"  # "exact" or "fast"
 LAYOUT_ATTRIBUTE = "sao_layout"  # "constant" (an initializer) or "per_call"
 KV_CHECKS = ("exact", "fast")
-#: The kv_check stamp of a fast node without a check op (create_session's graphs, for nodes
-#: whose pasts are graph inputs): its plan op probes the pasts the session reads in place
-#: (pasts.py), one PyOp fewer per call. Never saved: prepare_model's graphs keep the check op.
-FAST_IN_PLAN = "fast_in_plan"
 
 _F, _I32, _I64 = PyCustomOpDef.dt_float, PyCustomOpDef.dt_int32, PyCustomOpDef.dt_int64
 _SHAPES = [_I64] * len(SHAPED_INPUTS)
@@ -178,7 +172,6 @@ class NodeInfo:
     float16_storage: bool
     kv_check: str
     constant_layout: bool
-    probes_in_plan: bool = False  # FAST_IN_PLAN: the plan op does the fast check
 
     @property
     def token(self) -> str:
@@ -194,14 +187,13 @@ def node_info(attributes: dict) -> NodeInfo:
     info = _node_infos.get(key)
     if info is None:
         raw = dict(attributes)
-        stamp = raw.pop(KV_CHECK_ATTRIBUTE, "exact")
-        if stamp not in KV_CHECKS + (FAST_IN_PLAN,):
-            raise SparseAttentionError(f"{KV_CHECK_ATTRIBUTE} must be one of {KV_CHECKS + (FAST_IN_PLAN,)}, got {stamp!r}")
+        kv_check = raw.pop(KV_CHECK_ATTRIBUTE, "exact")
+        if kv_check not in KV_CHECKS:
+            raise SparseAttentionError(f"{KV_CHECK_ATTRIBUTE} must be one of {KV_CHECKS}, got {kv_check!r}")
         info = NodeInfo(
             node_key=raw.pop(NODE_KEY_ATTRIBUTE, ""),
             float16_storage=raw.pop(STORAGE_ATTRIBUTE, "float32") == "float16",
-            kv_check="fast" if stamp == FAST_IN_PLAN else stamp,
-            probes_in_plan=stamp == FAST_IN_PLAN,
+            kv_check=kv_check,
             constant_layout=raw.pop(LAYOUT_ATTRIBUTE, "per_call") == "constant",
             attributes=OpAttributes.from_mapping(raw),
         )
@@ -268,7 +260,7 @@ class Issued:
 
     number: int
     shape: CallShape
-    #: The fast check's probes for its check op: (chunk rows, probe chunks (batch, probes)).
+    #: The fast check's probes: (chunk rows, probe chunks (batch, probes), flat probe rows).
     probes: tuple | None = None
     #: Read-only views of the caller's past_key/past_value (pasts.py), when the run fed
     #: them where the op can read them; the history then never crosses the bridge.
@@ -359,18 +351,16 @@ def plan_op(*inputs, **attributes):
     shape_arrays, (total, key_totals) = inputs[: len(SHAPED_INPUTS)], inputs[len(SHAPED_INPUTS) :]
     shape, known = _describe(info, shape_arrays, total, key_totals)
     pasts = None if shape.is_prompt else _readable_pasts(info, shape)
-    rows, probes, history_rows, read_pasts = _NO_ROWS, None, shape.history_rows, False
+    probes, rows = None, _NO_ROWS
     if info.kv_check == "fast" and not shape.is_prompt:
         chunk_rows = _chunk_rows(info, shape.head_size, _settings(info))
         chunks = probe_chunks(shape.past_lengths, chunk_rows, shape.total_sequence_length)
         probe_rows = probe_row_indices(chunks, chunk_rows, shape.attributes.kv_num_heads, shape.max_cache_len)
-        if not info.probes_in_plan:  # the probe rows cross to the check op, which decides the history rows
-            rows, probes = probe_rows, (chunk_rows, chunks)
-        elif pasts is not None:
-            read_pasts, history_rows = not _pasts_held(info, shape, pasts, chunks, probe_rows), 0
-        # else: no check op and no view of the pasts: the exact check, through the bridge
-    elif pasts is not None:  # the exact check, in place
-        read_pasts, history_rows = True, 0
+        probes = (chunk_rows, chunks, probe_rows)
+        if pasts is None:  # the probe rows cross; with pasts, the check op reads them in place
+            rows = probe_rows
+    exact_in_place = pasts is not None and info.kv_check == "exact"
+    history_rows = 0 if exact_in_place else shape.history_rows
     positions = shape.token_positions if shape.attributes.do_rotary else _NO_ROWS
     layouts = 0 if info.constant_layout and _executor().knows_layout(info.node_key) else shape.num_layout
     return (
@@ -381,7 +371,7 @@ def plan_op(*inputs, **attributes):
         known.split_shape,
         known.output_shape,
         np.array([history_rows], np.int64),
-        tickets.issue(info.node_key, shape, probes=probes, pasts=pasts, read_pasts=read_pasts),
+        tickets.issue(info.node_key, shape, probes=probes, pasts=pasts, read_pasts=exact_in_place),
     )
 
 
@@ -397,14 +387,6 @@ def _readable_pasts(info: NodeInfo, shape: CallShape) -> tuple | None:
     return pasts
 
 
-def _pasts_held(info: NodeInfo, shape: CallShape, pasts: tuple, chunks: np.ndarray, probe_rows: np.ndarray) -> bool:
-    """The fast check on probe rows read from the caller's pasts in place."""
-    b, heads, _, h = shape.cache_shape
-    rows = (b, heads, -1, h)
-    probe_key, probe_value = (view.reshape(-1, h)[probe_rows].astype(np.float32, copy=False).reshape(rows) for view in pasts)
-    return _executor().cache_holds(info.node_key, shape, chunks, probe_key, probe_value, info.float16_storage, _settings(info))
-
-
 def _plan_poison(inputs):
     # An index no Gather accepts, one-element Reshape targets no tensor here fits, a Slice
     # end ORT refuses (an exact node then fails before its Slices copy the history; the
@@ -417,18 +399,23 @@ def _plan_poison(inputs):
 
 def check_op(probe_key, probe_value, ticket, **attributes):
     """The fast check: probe rows -> how many history rows must cross (0: the resident cache
-    holds the past)."""
+    holds the past, or the kernel op reads the history in place)."""
     info = node_info(attributes)
     issued = tickets.redeem(info.node_key, ticket)
     shape = issued.shape
     if shape.is_prompt:
         return (np.zeros(1, np.int64),)
-    chunk_rows, chunks = issued.probes  # a fast node's plan op chose them for every decode call
+    chunk_rows, chunks, probe_rows = issued.probes  # a fast node's plan op chose them for every decode call
     b, heads, _, h = shape.cache_shape
     rows = (b, heads, chunks.shape[1] * chunk_rows, h)
+    if issued.pasts is not None:
+        probe_key, probe_value = (view.reshape(-1, h)[probe_rows].astype(np.float32, copy=False) for view in issued.pasts)
     if probe_key.size == np.prod(rows) and _executor().cache_holds(
         info.node_key, shape, chunks, probe_key.reshape(rows), probe_value.reshape(rows), info.float16_storage, _settings(info)
     ):
+        return (np.zeros(1, np.int64),)
+    if issued.pasts is not None:
+        issued.read_pasts = True
         return (np.zeros(1, np.int64),)
     return (np.array([shape.history_rows], np.int64),)
 

@@ -55,15 +55,13 @@ def prepare_model(model: ModelLike, *, session_token: str | None = None, kv_chec
     token, so two models prepared separately never share GPU state. ``kv_check`` is the
     resident cache's check, ``"exact"`` or ``"fast"`` (see create_session).
     """
-    return prepare_for_session(model, session_token=session_token, kv_check=kv_check, probes_in_plan=False)[0]
+    return prepare_for_session(model, session_token=session_token, kv_check=kv_check)[0]
 
 
-def prepare_for_session(model: ModelLike, *, session_token: str | None = None, kv_check: str = "exact",
-                        probes_in_plan: bool = True) -> tuple[onnx.ModelProto, dict]:
-    """prepare_model for a session that reads pasts in place (pasts.py), and the nodes whose
-    pasts it may read: node key -> (past_key input name, past_value input name, element
-    type), for the nodes of the main graph whose two pasts are graph inputs. With
-    ``probes_in_plan`` such fast nodes have no check op (bridge.FAST_IN_PLAN)."""
+def prepare_for_session(model: ModelLike, *, session_token: str | None = None, kv_check: str = "exact") -> tuple[onnx.ModelProto, dict]:
+    """prepare_model, and the nodes whose pasts a session may read in place (pasts.py):
+    node key -> (past_key input name, past_value input name, element type), for the
+    nodes of the main graph whose two pasts are graph inputs."""
     if kv_check not in KV_CHECKS:
         raise ValueError(f"kv_check must be one of {KV_CHECKS}, got {kv_check!r}")
     prepared = load_model(model)
@@ -83,11 +81,10 @@ def prepare_for_session(model: ModelLike, *, session_token: str | None = None, k
                 nodes.append(node)
                 continue
             plan = _plan(node, f"{token}/{count}:{node.name}", kv_check, types, constants | _constant_names(graph), main, graph)
+            expanded, private = expand(plan)
             pasts = (node.input[INPUT_NAMES.index("past_key")], node.input[INPUT_NAMES.index("past_value")])
             if graph is main and all(name in graph_inputs for name in pasts):
                 past_inputs[plan.node_key] = (*pasts, np.dtype(np.float16 if plan.float16 else np.float32))
-                plan.probes_in_plan = probes_in_plan and kv_check == "fast"
-            expanded, private = expand(plan)
             nodes.extend(expanded)
             initializers.extend(private)
             count += 1

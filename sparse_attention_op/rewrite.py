@@ -15,9 +15,8 @@ native:
     past, indices, new keys --ScatterND--> present_key
     past, indices, value rows (Reshape, Transpose of the input) --ScatterND--> present_value
 
-Where a session reads the caller's pasts in place (pasts.py), the plan op sets F = 0: the
-same graph, nothing history-sized copied. create_session's fast nodes whose pasts are graph
-inputs take the exact layout (no check op): their plan op probes the pasts in place.
+Where a session reads the caller's pasts in place (pasts.py), the plan op sets F = 0 and the
+probe rows to none: the same graph, nothing history-sized copied.
 
 Bound to one buffer with past (IO binding, as ORT GenAI runs it), ScatterND writes in place:
 no cache-sized copy at all. With plain ``run`` ScatterND copies the past into a fresh present
@@ -34,7 +33,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from .bridge import (
-    BRIDGE_DOMAIN, CHECK_OP, FAST_IN_PLAN, KERNEL_OP, KV_CHECK_ATTRIBUTE, LAYOUT_ATTRIBUTE, NODE_KEY_ATTRIBUTE, PLAN_OP, STORAGE_ATTRIBUTE,
+    BRIDGE_DOMAIN, CHECK_OP, KERNEL_OP, KV_CHECK_ATTRIBUTE, LAYOUT_ATTRIBUTE, NODE_KEY_ATTRIBUTE, PLAN_OP, STORAGE_ATTRIBUTE,
 )
 from .spec import INPUT_NAMES, SHAPED_INPUTS, OpAttributes
 
@@ -64,9 +63,6 @@ class NodePlan:
     kv_check: str
     float16: bool
     constant_layout: bool
-    #: A fast node whose plan op probes the caller's pasts in place (bridge.FAST_IN_PLAN):
-    #: no check op, no probe Gathers.
-    probes_in_plan: bool = False
 
 
 @dataclass
@@ -109,7 +105,7 @@ def expand(plan: NodePlan) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]
         num_heads=attrs.num_heads, kv_num_heads=attrs.kv_num_heads, sparse_block_size=attrs.sparse_block_size, scale=float(attrs.scale),
         do_rotary=int(attrs.do_rotary), rotary_interleaved=int(attrs.rotary_interleaved),
         **{NODE_KEY_ATTRIBUTE: plan.node_key, STORAGE_ATTRIBUTE: "float16" if plan.float16 else "float32",
-           KV_CHECK_ATTRIBUTE: FAST_IN_PLAN if plan.probes_in_plan else plan.kv_check, LAYOUT_ATTRIBUTE: "constant" if plan.constant_layout else "per_call"},
+           KV_CHECK_ATTRIBUTE: plan.kv_check, LAYOUT_ATTRIBUTE: "constant" if plan.constant_layout else "per_call"},
     )
     f16 = plan.float16
     lengths = [inputs["total_sequence_length"], inputs["key_total_sequence_lengths"]]
@@ -121,13 +117,13 @@ def expand(plan: NodePlan) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]
         ["probe_rows", "positions", "layouts", "past_rows_shape", "split_shape", "output_shape", "all_history_rows", "ticket"],
         domain=BRIDGE_DOMAIN, **op_attributes)
 
-    if plan.kv_check == "fast" and not plan.probes_in_plan:
+    if plan.kv_check == "fast":
         probes = []
         for name in ("past_key", "past_value"):
             flat = b.add("Reshape", [inputs[name], past_rows_shape], f"{name}_rows")
             probes.append(b.float32(b.add("Gather", [flat, probe_rows], f"{name}_probes", axis=0), f16))
         history_rows = b.add(CHECK_OP, probes + [ticket], "history_rows", domain=BRIDGE_DOMAIN, **op_attributes)
-    else:  # every history row crosses, unless read in place: one PyOp and four native nodes fewer per call
+    else:  # the exact check digests every history row: one PyOp and four native nodes fewer per call
         history_rows = all_history
     history = [b.float32(b.add("Slice", [inputs[name], ZERO, history_rows, AXIS2], f"{name}_history"), f16) for name in ("past_key", "past_value")]
 

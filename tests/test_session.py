@@ -17,8 +17,7 @@ from sparse_attention_op.bridge import (
 from sparse_attention_op.demo import build_demo_model, reference_step
 from sparse_attention_op.graphs import sparse_attention_model
 from sparse_attention_op.inputs import CaseConfig, random_inputs
-from sparse_attention_op.model import node_attributes, prepare_for_session
-from sparse_attention_op.spec import INPUT_NAMES
+from sparse_attention_op.model import node_attributes
 from sparse_attention_op.webgpu import get_executor
 
 LAYOUT = ("block_row_indices", "block_col_indices")
@@ -62,26 +61,6 @@ def test_prepare_model_rewrites_the_node_around_the_bridge_ops(rng):
     again = sao.prepare_model(model)
     assert node_attributes(bridge_nodes(again, KERNEL_OP)[0])[NODE_KEY_ATTRIBUTE] != attrs[NODE_KEY_ATTRIBUTE]
     assert model.graph.node[0].op_type == "SparseAttention" and len(model.graph.node[0].input) == 9
-
-
-def test_sessions_graphs_probe_in_the_plan_op_where_the_pasts_are_graph_inputs(rng):
-    """create_session's fast nodes have no check op (their plan op probes the pasts it reads
-    in place); prepare_model's keep it, for sessions that cannot see the feeds."""
-    from sparse_attention_op.bridge import FAST_IN_PLAN
-
-    model = model_and_inputs(CaseConfig(), rng)[0]
-    prepared, past_inputs = prepare_for_session(model, kv_check="fast")
-    assert bridge_nodes(prepared, CHECK_OP) == [] and len(bridge_nodes(prepared, PLAN_OP)) == 1
-    (kernel,) = bridge_nodes(prepared, KERNEL_OP)
-    assert node_attributes(kernel)[KV_CHECK_ATTRIBUTE] == FAST_IN_PLAN.encode()
-    assert past_inputs == {node_attributes(kernel)[NODE_KEY_ATTRIBUTE].decode(): ("past_key", "past_value", np.dtype(np.float32))}
-    assert len(bridge_nodes(sao.prepare_model(model, kv_check="fast"), CHECK_OP)) == 1
-    # A past computed inside the graph is not the caller's: it keeps the check op.
-    node, past_key = model.graph.node[0], INPUT_NAMES.index("past_key")
-    model.graph.node.insert(0, onnx.helper.make_node("Identity", [node.input[past_key]], ["computed_past"]))
-    node.input[past_key] = "computed_past"
-    prepared, past_inputs = prepare_for_session(model, kv_check="fast")
-    assert len(bridge_nodes(prepared, CHECK_OP)) == 1 and past_inputs == {}
 
 
 def test_exact_nodes_slice_the_history_the_plan_op_names_without_a_check_op(rng):
