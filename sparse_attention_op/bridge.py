@@ -121,8 +121,9 @@ class SessionRecords:
         with self._lock:
             self._settings.pop(token, None)
             for table in (self._errors, self._stats, self._pasts):
-                for key in [k for k in table if k[0] == token]:
-                    del table[key]
+                # list() copies the keys at once: record_stats adds to _stats without the lock
+                for key in [k for k in list(table) if k[0] == token]:
+                    table.pop(key, None)
 
     def settings(self, token: str):
         return self._settings.get(token)
@@ -149,11 +150,17 @@ class SessionRecords:
         """This thread's run of the session feeds these pasts (node key -> (key view, value
         view), pasts.py): the nodes read their history from them instead of the bridge."""
         if views:
-            self._pasts[(token, threading.get_ident())] = views
+            with self._lock:  # close() walks the table on whatever thread collects the session
+                self._pasts[(token, threading.get_ident())] = views
 
     def withdraw_pasts(self, token: str) -> None:
-        """The run is over: its feeds may be freed, so no view of them may be read again."""
-        self._pasts.pop((token, threading.get_ident()), None)
+        """The run is over: its feeds may be freed, so no view of them may be read again, or
+        kept (a numpy view would keep the caller's cache arrays alive): the tickets of this
+        thread's run let go of theirs too."""
+        with self._lock:
+            published = self._pasts.pop((token, threading.get_ident()), None)
+        if published is not None:
+            tickets.drop_pasts(token)
 
     def pasts(self, node_key: str) -> tuple | None:
         views = self._pasts.get((session_token(node_key), threading.get_ident()))
@@ -307,6 +314,14 @@ class _Tickets:
                 f"SparseAttention: ticket {number} of node {node_key} was not issued by its plan op on this thread: the node's "
                 "ops must run on one thread, in order (ORT_SEQUENTIAL execution; sparse_attention_op.session.session_options() refuses ORT_PARALLEL)")
         return issued
+
+    def drop_pasts(self, token: str) -> None:
+        """Let go of the past views this thread's tickets of the session hold (its run is over)."""
+        me = threading.get_ident()
+        with self._lock:
+            for (thread, node_key), issued in self._issued.items():
+                if thread == me and issued.pasts is not None and session_token(node_key) == token:
+                    issued.pasts = None
 
     def forget(self, token: str) -> None:
         """Drop the entries of a closed session's nodes (every thread's)."""

@@ -30,6 +30,7 @@ from typing import Mapping
 
 import numpy as np
 import onnxruntime as ort
+from onnx.helper import tensor_dtype_to_np_dtype
 
 #: What the session knows about each node whose pasts are graph inputs: node key ->
 #: (past_key input name, past_value input name, element type of the graph's float tensors).
@@ -59,9 +60,9 @@ class BoundInput:
 
     def __init__(self, device: str, dtype, shape, pointer: int):
         self.device, self.shape, self.pointer = str(device).lower(), tuple(int(d) for d in shape), int(pointer)
-        try:
-            self.dtype = np.dtype(dtype)
-        except TypeError:  # an ONNX element type number: not one the op reads in place
+        try:  # ORT takes a numpy type or an ONNX element type number (TensorProto.FLOAT, ...)
+            self.dtype = tensor_dtype_to_np_dtype(dtype) if isinstance(dtype, int) else np.dtype(dtype)
+        except (TypeError, KeyError):  # a type no numpy dtype stands for: never a past read in place
             self.dtype = None
 
 

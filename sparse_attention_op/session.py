@@ -24,11 +24,13 @@ def _close_session(token: str) -> None:
     from .bridge import tickets
     from .webgpu import executor as executor_module
 
-    records.close(token)
-    tickets.forget(token)
-    executor = executor_module._executor.peek()
-    if executor is not None:
-        executor.release_later(token + "/")
+    try:
+        records.close(token)
+        tickets.forget(token)
+    finally:  # whatever happens above, the GPU state is freed
+        executor = executor_module._executor.peek()
+        if executor is not None:
+            executor.release_later(token + "/")
 
 
 def session_options(sess_options: ort.SessionOptions | None = None) -> ort.SessionOptions:

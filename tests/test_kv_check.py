@@ -12,6 +12,7 @@ import logging
 import re
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 
@@ -175,9 +176,11 @@ def test_pasts_bound_by_pointer_are_read_in_place(executor, rng):
     generation.step()
     feeds = generation.feeds()
     binding = session.io_binding()
+    # ORT takes the element type as a numpy type or as an ONNX type number.
+    element_types = {"past_key": np.float32, "past_value": onnx.TensorProto.FLOAT}
     for name, value in feeds.items():
-        if name in ("past_key", "past_value"):
-            binding.bind_input(name, "cpu", 0, np.float32, value.shape, value.ctypes.data)
+        if name in element_types:
+            binding.bind_input(name, "cpu", 0, element_types[name], value.shape, value.ctypes.data)
         else:
             binding.bind_cpu_input(name, value)
     binding.bind_output("output")
@@ -187,9 +190,27 @@ def test_pasts_bound_by_pointer_are_read_in_place(executor, rng):
     inputs = {k: v.astype(np.float64) if v.dtype.kind == "f" else v for k, v in generation.inputs.items()}
     expected = sparse_attention_reference(**inputs, **CONFIG.node_attributes())[0]
     assert_close(binding.copy_outputs_to_cpu()[0], expected, "output with pasts bound by pointer")
-    from sparse_attention_op.bridge import records
 
-    assert records.pasts(session.sparse_attention_token + "/0:sparse_attention") is None, "the run's views are withdrawn when it returns"
+
+@pytest.mark.parametrize("way", WAYS)
+def test_no_view_of_the_pasts_outlives_its_run(executor, rng, way):
+    """The views are withdrawn when run returns, and nothing keeps the caller's arrays alive."""
+    import gc
+    import weakref
+
+    from sparse_attention_op.bridge import records, tickets
+
+    session = new_session(rng, "exact")
+    generation = Generation(session, rng, way)
+    generation.step()
+    fed = [weakref.ref(generation.inputs[name]) for name in ("past_key", "past_value")]
+    assert generation.step().history_read_in_place  # fed those arrays, then moved on to new inputs
+    token = session.sparse_attention_token
+    assert records.pasts(token + "/0:sparse_attention") is None
+    assert all(issued.pasts is None for (_, node_key), issued in tickets._issued.items() if node_key.startswith(token))
+    if way == "plain":  # (the shared way feeds copies it keeps itself)
+        gc.collect()
+        assert [ref() for ref in fed] == [None, None], "the arrays the last run was fed are the caller's to free"
 
 
 def test_shared_buffers_are_written_in_place(executor, rng):
