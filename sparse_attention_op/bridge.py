@@ -160,7 +160,7 @@ class SessionRecords:
         with self._lock:
             published = self._pasts.pop((token, threading.get_ident()), None)
         if published is not None:
-            tickets.drop_pasts(token)
+            tickets.drop_pasts(published)
 
     def pasts(self, node_key: str) -> tuple | None:
         views = self._pasts.get((session_token(node_key), threading.get_ident()))
@@ -315,12 +315,13 @@ class _Tickets:
                 "ops must run on one thread, in order (ORT_SEQUENTIAL execution; sparse_attention_op.session.session_options() refuses ORT_PARALLEL)")
         return issued
 
-    def drop_pasts(self, token: str) -> None:
-        """Let go of the past views this thread's tickets of the session hold (its run is over)."""
+    def drop_pasts(self, node_keys) -> None:
+        """Let go of the past views this thread's tickets of these nodes hold (their run is over)."""
         me = threading.get_ident()
         with self._lock:
-            for (thread, node_key), issued in self._issued.items():
-                if thread == me and issued.pasts is not None and session_token(node_key) == token:
+            for node_key in node_keys:
+                issued = self._issued.get((me, node_key))
+                if issued is not None:
                     issued.pasts = None
 
     def forget(self, token: str) -> None:
@@ -391,13 +392,10 @@ def plan_op(*inputs, **attributes):
 
 
 def _readable_pasts(info: NodeInfo, shape: CallShape) -> tuple | None:
-    """The views of this node's pasts the run published (pasts.py), if they have the shape
-    the node was given and the dtype its graph keeps."""
+    """The views of this node's pasts the run published (pasts.py, which took them only in
+    the node's float type), if they have the shape the node was given."""
     pasts = records.pasts(info.node_key)
-    if pasts is None:
-        return None
-    dtype = np.float16 if info.float16_storage else np.float32
-    if any(view.shape != shape.cache_shape or view.dtype != dtype for view in pasts):
+    if pasts is None or any(view.shape != shape.cache_shape for view in pasts):
         return None
     return pasts
 

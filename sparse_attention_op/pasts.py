@@ -98,18 +98,17 @@ def _view(fed, dtype: np.dtype) -> np.ndarray | None:
         if fed.dtype != dtype or not fed.flags.c_contiguous:
             return None  # ORT converts such a feed: a copy, not this memory
         view = fed.view()
-    elif isinstance(fed, ort.OrtValue):
+        view.flags.writeable = False
+        return view
+    if isinstance(fed, ort.OrtValue):
         if not fed.is_tensor() or fed.device_name().lower() != "cpu" or _ORT_TYPES.get(fed.data_type()) != dtype:
             return None
         return _from_pointer(fed.data_ptr(), tuple(fed.shape()), dtype)
-    elif isinstance(fed, BoundInput):
+    if isinstance(fed, BoundInput):
         if fed.device != "cpu" or fed.dtype != dtype:
             return None
         return _from_pointer(fed.pointer, fed.shape, dtype)
-    else:
-        return None
-    view.flags.writeable = False
-    return view
+    return None
 
 
 @functools.lru_cache(maxsize=256)
