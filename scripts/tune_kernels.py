@@ -108,6 +108,8 @@ DECODE_CANDIDATES = [
     ("target 64", dict(decode_target_workgroups=64)),
     ("target 256", dict(decode_target_workgroups=256)),
     ("target 512", dict(decode_target_workgroups=512)),
+    ("target 1024", dict(decode_target_workgroups=1024)),
+    ("wg 128 target 1024", dict(decode_workgroup=128, decode_target_workgroups=1024)),
     ("target 2048", dict(decode_target_workgroups=2048, decode_min_keys_per_split=32)),
     ("lanes 16", dict(decode_lanes_per_key=16)),
     ("keys/group 1", dict(decode_keys_per_group=1)),

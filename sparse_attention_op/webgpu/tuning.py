@@ -258,7 +258,13 @@ class Tuning:
     #: H200, decode at history 8191 (32 heads): 256 (8 slices of ~240 keys, two
     #: workgroups per multiprocessor) beat 64, 512, 1024 and 2048 for both f32 and f16
     #: caches in two sweeps (f32: 26 us against 35 at 512 and 39 at 64); more slices
-    #: mean more partials to write and merge for the same bytes.
+    #: mean more partials to write and merge for the same bytes. Rerun with the split pass
+    #: merging (2026-12-03, per dispatch, f32 / f16 cache): 256 0.024 / 0.024 ms, 512
+    #: 0.030 / 0.029, 1024 0.040 / 0.041, 1024 with 128 invocations 0.031 / 0.030, 2048
+    #: 0.065 / 0.063: the time grows with the invocations launched, not the tiles walked.
+    #: Also tried then and not kept: the next tile's K/V loads issued before the current
+    #: tile's arithmetic (a second register set): 0.041 / 0.039 ms at 8191 and 0.187 /
+    #: 0.171 at 131000 against 0.025 / 0.024 and 0.137 / 0.102 (register pressure).
     decode_target_workgroups: int = 256
     #: No split gets fewer keys than this (a split re-reads q and writes a partial).
     decode_min_keys_per_split: int = 64
