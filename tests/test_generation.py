@@ -173,6 +173,7 @@ def test_argument_errors_name_the_argument(rng):
         (dict(prompts=[[1, 2]], max_new_tokens=2, pad_token_id="0"), "pad_token_id must be an int >= 0"),
         (dict(prompts=[[1, 2]], max_new_tokens=2, on_step=5), "on_step must be callable"),
         (dict(prompts=[[1, 2]], max_new_tokens=2, cache_dims=(3,)), "cache_dims must be (kv_heads, head_size)"),
+        (dict(prompts=[[1, 2]], max_new_tokens=2, kv_check="quick"), "kv_check must be one of ('exact', 'fast'), got 'quick'"),
     ]
     for kwargs, message in cases:
         with pytest.raises(GenerationError) as raised:
