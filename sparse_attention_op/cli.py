@@ -142,8 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
                                              "like those in models/, fields overridable")
     add_decoder_options(decoder)
     decoder.set_defaults(func=commands.export_decoder)
-    demo_model = exports.add_parser("demo", help="the one-block demo model (models/demo_decoder_attention.onnx)")
-    demo_model.add_argument("output", type=Path, nargs="?", default=DEFAULT_MODEL)
+    demo_model = exports.add_parser("demo", help="the one-block demo model (models/demo_decoder_attention.onnx)",
+                                    description="Write the one-block demo model, the file the package ships, to OUTPUT.")
+    demo_model.add_argument("output", type=Path, nargs="?", default=DEFAULT_MODEL, metavar="OUTPUT",
+                            help=f"where to write it (default {DEFAULT_MODEL}, which it overwrites)")
     demo_model.set_defaults(func=commands.export_demo)
     for export_parser in (graph, decoder, demo_model):
         export_parser.set_defaults(subparser=export_parser)  # usage errors show this command's usage
