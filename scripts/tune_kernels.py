@@ -113,6 +113,7 @@ DECODE_CANDIDATES = [
     ("target 2048", dict(decode_target_workgroups=2048, decode_min_keys_per_split=32)),
     ("lanes 16", dict(decode_lanes_per_key=16)),
     ("keys/group 1", dict(decode_keys_per_group=1)),
+    ("per-lane query", dict(decode_shared_query=False)),
     ("keys/group 4", dict(decode_keys_per_group=4)),
     ("wg 128", dict(decode_workgroup=128)),
     ("wg 128 target 512", dict(decode_workgroup=128, decode_target_workgroups=512)),

@@ -43,6 +43,12 @@ ROUTES = {
     # one that reads the inputs; fused (CPU adapters' own tuning does not fuse).
     "split-tiles": dict(decode_max_queries=4096, decode_target_workgroups=1, decode_workgroup=64, decode_fused_append=True,
                         decode_split_merges=True),
+    # Every lane group loading and rotating the query itself (by default it is rotated once
+    # per workgroup into workgroup memory: Tuning.decode_shared_query).
+    "split-per-lane-query": dict(decode_max_queries=4096, decode_target_workgroups=4096, decode_min_keys_per_split=3, decode_fused_append=True,
+                                 decode_split_merges=True, decode_shared_query=False),
+    "split-tiles-per-lane-query": dict(decode_max_queries=4096, decode_target_workgroups=1, decode_workgroup=64, decode_fused_append=False,
+                                       decode_split_merges=False, decode_shared_query=False),
     ROWS: dict(prefill_pass=ROWS, rows_lanes=8, rows_query_regs=2, prefill_min_queries=1, decode_max_queries=0),
     SIMPLE: dict(decode_max_queries=0, prefill_min_queries=1 << 30),
 }
@@ -100,7 +106,7 @@ def test_chunked_prefill_with_history_starts_mid_tile(executor, rng, route, past
     check(runner, config, rng, expect)
 
 
-@pytest.mark.parametrize("route", [TILED, ROWS, SPLIT])
+@pytest.mark.parametrize("route", [TILED, ROWS, SPLIT, "split-per-lane-query"])
 @pytest.mark.parametrize("head_size", [8, 24, 40, 64, 136, 256])
 def test_head_sizes(executor, rng, route, head_size):
     # 8 and 24: fewer head vec4s than a depth chunk or an output column block (padding);
@@ -186,7 +192,7 @@ def test_a_nan_input_makes_the_rows_that_read_it_nan(executor, rng, route):
     assert np.allclose(output[finite], reference[finite], atol=2e-3)
 
 
-@pytest.mark.parametrize("route", [SPLIT, "split-unfused", "split-tiles", "split-merge-pass"])
+@pytest.mark.parametrize("route", [SPLIT, "split-unfused", "split-tiles", "split-merge-pass", "split-per-lane-query", "split-tiles-per-lane-query"])
 def test_decode_with_no_visible_key(executor, rng, route):
     runner, _ = forced(executor, route)
     config = CaseConfig(seq_len=1, past_lengths=(19,), max_cache_len=32, sparse_block_size=8, num_layout=2)
@@ -194,7 +200,7 @@ def test_decode_with_no_visible_key(executor, rng, route):
     check(runner, config, rng, SPLIT, inputs=inputs)
 
 
-@pytest.mark.parametrize("route", [TILED, ROWS, SPLIT, "split-unfused", "split-tiles", "split-merge-pass"])
+@pytest.mark.parametrize("route", [TILED, ROWS, SPLIT, "split-unfused", "split-tiles", "split-merge-pass", "split-per-lane-query"])
 def test_f16_cache(executor, rng, route):
     if "shader-f16" not in executor.context.features:
         pytest.fail("the f16 cache needs an adapter with shader-f16 (lavapipe has it)")
@@ -206,7 +212,7 @@ def test_f16_cache(executor, rng, route):
     check(runner, step, rng, decode_route(route), float16_storage=True, tol=1e-2, node_key="kernels-f16")
 
 
-@pytest.mark.parametrize("route", [TILED, "tiled-prepared-query", ROWS, SPLIT, "split-unfused"])
+@pytest.mark.parametrize("route", [TILED, "tiled-prepared-query", ROWS, SPLIT, "split-unfused", "split-per-lane-query"])
 @pytest.mark.parametrize("rotary", [dict(do_rotary=True), dict(do_rotary=True, rotary_interleaved=True), dict(do_rotary=True, rotary_dim=16)])
 def test_rotary_queries(executor, rng, route, rotary):
     runner, expect = forced(executor, route)
@@ -273,6 +279,21 @@ def test_split_k_with_more_slices_than_keys(executor, rng, merges):
     check(runner, config, rng, SPLIT, inputs=inputs)
 
 
+@pytest.mark.parametrize("rotary", [dict(do_rotary=True), dict(do_rotary=True, rotary_interleaved=True), dict()], ids=["rotary", "interleaved", "none"])
+def test_a_query_shared_in_workgroup_memory_equals_per_lane_queries(executor, rng, rotary):
+    # The same rotate() of the same rows, by one invocation instead of every lane group:
+    # equal outputs (bit for bit on lavapipe; a tolerance of float32 ulps, since another
+    # driver may contract the rotation's multiply-adds differently in the two places).
+    config = CaseConfig(batch=2, seq_len=1, past_lengths=(120, 33), max_cache_len=128, sparse_block_size=16, head_size=32, **rotary)
+    per_lane, shared = executor_for(executor, ROUTES["split-per-lane-query"]), executor_for(executor, ROUTES[SPLIT])
+    assert shared.tuning.decode_shared_query and not per_lane.tuning.decode_shared_query
+    for call in range(3):
+        inputs = random_inputs(config, rng)
+        expected = run_executor(per_lane, inputs, config.node_attributes(), "per-lane")[0]
+        output = run_executor(shared, inputs, config.node_attributes(), "shared")[0]
+        np.testing.assert_allclose(output, expected, rtol=1e-6, atol=1e-6, err_msg=f"call {call}")
+
+
 def test_a_split_pass_that_merges_equals_the_merge_pass_call_after_call(executor, rng):
     # The same arithmetic in the same order (merge_slices.wgsl.jinja, 256 invocations in
     # both): bit-identical outputs, call after call. A merging slice that read another
@@ -290,7 +311,7 @@ def test_a_split_pass_that_merges_equals_the_merge_pass_call_after_call(executor
         np.testing.assert_array_equal(output, expected, err_msg=f"call {call}")
 
 
-@pytest.mark.parametrize("route", [SPLIT, "split-unfused", "split-tiles", "split-merge-pass"])
+@pytest.mark.parametrize("route", [SPLIT, "split-unfused", "split-tiles", "split-merge-pass", "split-per-lane-query", "split-tiles-per-lane-query"])
 @pytest.mark.parametrize("past", [(0, 5, 40, 63), (63, 0, 17, 1)])
 def test_split_k_ragged_batch(executor, rng, past, route):
     runner, _ = forced(executor, route)
@@ -305,7 +326,7 @@ def test_padded_prompt_rows_of_different_lengths(executor, rng, route):
     check(runner, config, rng, expect)
 
 
-@pytest.mark.parametrize("route", [SPLIT, "split-unfused", "split-tiles", "split-merge-pass"])
+@pytest.mark.parametrize("route", [SPLIT, "split-unfused", "split-tiles", "split-merge-pass", "split-per-lane-query", "split-tiles-per-lane-query"])
 def test_split_k_short_chunk_decode_chain(executor, rng, route):
     # Chunks of 3 and single steps through split-K, the presents fed back each time.
     runner, _ = forced(executor, route)
@@ -318,7 +339,7 @@ def test_split_k_short_chunk_decode_chain(executor, rng, route):
         lengths = lengths + seq_len
 
 
-@pytest.mark.parametrize("route", [SPLIT, "split-unfused", "split-tiles", "split-merge-pass"])
+@pytest.mark.parametrize("route", [SPLIT, "split-unfused", "split-tiles", "split-merge-pass", "split-per-lane-query", "split-tiles-per-lane-query"])
 def test_chunk_whose_last_slots_hold_history_rows(executor, rng, route):
     # A chunk of 4 at positions 14..17 (blocks of 8) crosses into block row 2, which layout 1
     # lets see blocks 0 and 2 but not 1: query 17's last four slots are rows 6, 7, 16, 17, so

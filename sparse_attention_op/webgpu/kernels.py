@@ -307,6 +307,7 @@ def decode_split(shape: CallShape, split: DecodeSplit, splits: int, cache: Cache
             ("workgroup_size", split.workgroup),
             ("lanes_per_key", split.lanes_per_key),
             ("keys_per_group", split.keys_per_group),
+            ("shared_query", split.shared_query),
             ("fused_append", fused_append),
             ("merges", merges),
             ("max_splits", max_splits),

@@ -134,6 +134,7 @@ class DecodeSplit:
     lanes_per_key: int  # invocations sharing one key's dot product (their loads coalesce)
     keys_per_group: int  # keys each lane group scores per tile (loads in flight)
     head_vec: int
+    shared_query: bool = False  # the query rotated once per workgroup, in workgroup memory
 
     @property
     def groups(self) -> int:
@@ -254,6 +255,13 @@ class Tuning:
     #: the same as these two-barrier tiles (split pass 0.022 ms at history 8191, 0.138 at
     #: 131000), so the barriers are not what bounds the pass.
     decode_keys_per_group: int = 2
+    #: The query loaded, rotated and scaled once per workgroup into workgroup memory, not
+    #: once per lane group (32 of them at the defaults, each reading it and its cos/sin
+    #: rows). H200 (2026-12-03, per dispatch / one pass, ms): decode at 8191 0.022 / 0.018
+    #: (f32 cache) and 0.022 / 0.019 (f16) against 0.025 / 0.020 and 0.024 / 0.020; at
+    #: 131000 0.133 and 0.093 against 0.137 and 0.102. lavapipe (decode at 1023): split pass
+    #: 14.7 against 18.4 ms (f32), 28.2 against 27.1 (f16, within its spread).
+    decode_shared_query: bool = True
     #: Workgroups to aim for across the call (splits = this / (batch*heads*queries)).
     #: H200, decode at history 8191 (32 heads): 256 (8 slices of ~240 keys, two
     #: workgroups per multiprocessor) beat 64, 512, 1024 and 2048 for both f32 and f16
@@ -351,7 +359,8 @@ class Tuning:
         head_vec = shape.head_size // 4
         if head_vec > self.decode_workgroup or self.decode_workgroup > self.max_invocations:
             return None
-        return DecodeSplit(self.decode_workgroup, min(self.decode_lanes_per_key, _pow2_at_least(head_vec)), self.decode_keys_per_group, head_vec)
+        return DecodeSplit(self.decode_workgroup, min(self.decode_lanes_per_key, _pow2_at_least(head_vec)), self.decode_keys_per_group, head_vec,
+                           self.decode_shared_query)
 
     def decode_fuses_append(self, shape: CallShape) -> bool:
         """Whether a split-K call's passes write its new rows themselves (decode_fused_append),
