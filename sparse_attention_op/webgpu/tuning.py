@@ -134,7 +134,7 @@ class DecodeSplit:
     lanes_per_key: int  # invocations sharing one key's dot product (their loads coalesce)
     keys_per_group: int  # keys each lane group scores per tile (loads in flight)
     head_vec: int
-    shared_query: bool = False  # the query rotated once per workgroup, in workgroup memory
+    shared_query: bool  # the query rotated once per workgroup, in workgroup memory
 
     @property
     def groups(self) -> int:
