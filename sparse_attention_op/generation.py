@@ -200,7 +200,8 @@ def generate(
 
     ``model``: an ONNX model in the GenAI convention (a path, an ORT GenAI folder, bytes or a ModelProto: run
     through :func:`~sparse_attention_op.create_session` with ``kv_check``), or an
-    ``InferenceSession`` to use as it is (a plain one runs ONNX Runtime's own kernels).
+    ``InferenceSession`` to use as it is (a plain one runs ONNX Runtime's own kernels; its
+    cache check is the one it was created with, and ``kv_check`` is only validated).
     ``prompts``: token ids per row, as lists of any lengths, or a 2-D integer array whose
     padding ``attention_mask`` (same shape, 1 = token, 0 = padding on either side) marks.
     A row stops after it emits one of ``stop_tokens``; finished rows are fed

@@ -47,6 +47,7 @@ ROUTES = {
     # per workgroup into workgroup memory: Tuning.decode_shared_query).
     "split-per-lane-query": dict(decode_max_queries=4096, decode_target_workgroups=4096, decode_min_keys_per_split=3, decode_fused_append=True,
                                  decode_split_merges=True, decode_shared_query=False),
+    # ...in slices of several tiles, with the merge pass and the append pass (CPU adapters' way).
     "split-tiles-per-lane-query": dict(decode_max_queries=4096, decode_target_workgroups=1, decode_workgroup=64, decode_fused_append=False,
                                        decode_split_merges=False, decode_shared_query=False),
     ROWS: dict(prefill_pass=ROWS, rows_lanes=8, rows_query_regs=2, prefill_min_queries=1, decode_max_queries=0),
@@ -122,6 +123,17 @@ def test_largest_head_falls_back_where_no_tile_fits(executor, rng):
     runner = executor_for(executor, dict(workgroup_storage_bytes=4096, prefill_min_queries=2, decode_max_queries=0, prefill_pass=TILED))
     config = CaseConfig(head_size=256, seq_len=20, max_cache_len=32, sparse_block_size=16)
     assert runner.tuning.prefill_tiling(build_call(random_inputs(config, rng), OpAttributes.from_mapping(config.node_attributes())).shape) is None
+    check(runner, config, rng, SIMPLE)
+
+
+def test_decode_falls_back_where_the_split_pass_does_not_fit(executor, rng):
+    # 6000 bytes of workgroup memory hold no split-K workgroup (about 7 KiB at head size 16):
+    # the simple pass serves the decode step, with the same results.
+    runner = executor_for(executor, dict(workgroup_storage_bytes=6000))
+    config = CaseConfig(seq_len=1, past_lengths=(40,), max_cache_len=48, sparse_block_size=16)
+    shape = build_call(random_inputs(config, rng), OpAttributes.from_mapping(config.node_attributes())).shape
+    assert runner.tuning.decode_split(shape) is None
+    assert executor.tuning.decode_split(shape).workgroup_bytes(executor.tuning.decode_max_splits) > 6000
     check(runner, config, rng, SIMPLE)
 
 
@@ -284,9 +296,15 @@ def test_a_query_shared_in_workgroup_memory_equals_per_lane_queries(executor, rn
     # The same rotate() of the same rows, by one invocation instead of every lane group:
     # equal outputs (bit for bit on lavapipe; a tolerance of float32 ulps, since another
     # driver may contract the rotation's multiply-adds differently in the two places).
-    config = CaseConfig(batch=2, seq_len=1, past_lengths=(120, 33), max_cache_len=128, sparse_block_size=16, head_size=32, **rotary)
+    # Head size 64: 16 query vec4s, more than one per lane and more than lavapipe's SIMD
+    # width, so lanes read vec4s other invocations wrote (a missing barrier shows).
+    config = CaseConfig(batch=2, seq_len=1, past_lengths=(120, 33), max_cache_len=128, sparse_block_size=16, head_size=64, **rotary)
     per_lane, shared = executor_for(executor, ROUTES["split-per-lane-query"]), executor_for(executor, ROUTES[SPLIT])
-    assert shared.tuning.decode_shared_query and not per_lane.tuning.decode_shared_query
+    shape = build_call(random_inputs(config, rng), OpAttributes.from_mapping(config.node_attributes())).shape
+    cache = kernels.CacheFormat(rows=128, f16=False, round_keys_to_f16=False)
+    for runner, shares in ((shared, True), (per_lane, False)):
+        (split,) = [d for d in kernels.call_dispatches(shape, runner.tuning, cache, _AnyResource()) if d.label == "attention_split"]
+        assert ("query_shared" in split.program.render()) == shares
     for call in range(3):
         inputs = random_inputs(config, rng)
         expected = run_executor(per_lane, inputs, config.node_attributes(), "per-lane")[0]

@@ -149,6 +149,13 @@ class DecodeSplit:
         """Key parts in the value step: invocations per output vec4 column."""
         return self.workgroup // self.head_vec
 
+    def workgroup_bytes(self, max_splits: int) -> int:
+        """The workgroup arrays of decode_split.wgsl.jinja: lane sums, scores, each part's
+        max, sum and accumulator, the shared query, and (merging) a slice's stats and flag."""
+        vec4 = 16
+        shared = self.tile_keys * self.lanes_per_key * 4 + self.tile_keys * 4 + 2 * self.parts * 4 + self.parts * self.head_vec * vec4
+        return shared + (self.head_vec * vec4 if self.shared_query else 0) + max_splits * 8 + 4
+
 
 @dataclass(frozen=True)
 class Tuning:
@@ -359,8 +366,11 @@ class Tuning:
         head_vec = shape.head_size // 4
         if head_vec > self.decode_workgroup or self.decode_workgroup > self.max_invocations:
             return None
-        return DecodeSplit(self.decode_workgroup, min(self.decode_lanes_per_key, _pow2_at_least(head_vec)), self.decode_keys_per_group, head_vec,
-                           self.decode_shared_query)
+        split = DecodeSplit(self.decode_workgroup, min(self.decode_lanes_per_key, _pow2_at_least(head_vec)), self.decode_keys_per_group, head_vec,
+                            self.decode_shared_query)
+        if split.workgroup_bytes(self.decode_max_splits) > self.workgroup_storage_bytes:
+            return None  # the simple pass serves it (about 9 KiB at the defaults: any adapter holds that)
+        return split
 
     def decode_fuses_append(self, shape: CallShape) -> bool:
         """Whether a split-K call's passes write its new rows themselves (decode_fused_append),
