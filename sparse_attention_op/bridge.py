@@ -67,6 +67,14 @@ KV_CHECK_ATTRIBUTE = "sao_kv_check"  # "exact" or "fast"
 LAYOUT_ATTRIBUTE = "sao_layout"  # "constant" (an initializer) or "per_call"
 KV_CHECKS = ("exact", "fast")
 
+
+def require_kv_check(kv_check, error: type[Exception] = ValueError) -> None:
+    """The one check of a caller's ``kv_check`` argument (create_session, prepare_model,
+    prepare_genai_folder, generate), raised as ``error``."""
+    if kv_check not in KV_CHECKS:
+        raise error(f"kv_check must be one of {KV_CHECKS}, got {kv_check!r}")
+
+
 _F, _I32, _I64 = PyCustomOpDef.dt_float, PyCustomOpDef.dt_int32, PyCustomOpDef.dt_int64
 _SHAPES = [_I64] * len(SHAPED_INPUTS)
 _ATTRIBUTE_TYPES = {
@@ -121,9 +129,8 @@ class SessionRecords:
         with self._lock:
             self._settings.pop(token, None)
             for table in (self._errors, self._stats, self._pasts):
-                # list() copies the keys at once: record_stats adds to _stats without the lock
-                for key in [k for k in list(table) if k[0] == token]:
-                    table.pop(key, None)
+                for key in [k for k in table if k[0] == token]:
+                    del table[key]
 
     def settings(self, token: str):
         return self._settings.get(token)
@@ -141,10 +148,12 @@ class SessionRecords:
 
     def record_stats(self, token: str, node_key: str, stats) -> None:
         if token in self._settings:
-            self._stats.setdefault((token, threading.get_ident()), {})[node_key.split("/", 1)[1]] = stats
+            with self._lock:  # close() walks the table on whatever thread collects the session
+                self._stats.setdefault((token, threading.get_ident()), {})[node_key.split("/", 1)[1]] = stats
 
     def pop_stats(self, token: str) -> dict:
-        return self._stats.pop((token, threading.get_ident()), {})
+        with self._lock:
+            return self._stats.pop((token, threading.get_ident()), {})
 
     def publish_pasts(self, token: str, views: dict) -> None:
         """This thread's run of the session feeds these pasts (node key -> (key view, value

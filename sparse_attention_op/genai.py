@@ -38,7 +38,7 @@ from typing import Iterator
 import onnx
 from onnxruntime_extensions import get_library_path
 
-from .bridge import BRIDGE_FORMAT, KV_CHECKS, register
+from .bridge import BRIDGE_FORMAT, register, require_kv_check
 from .inspection import all_nodes
 from .model import bridge_format, is_sparse_attention, load_constant_layouts, prepare_model
 from .model_files import GENAI_CONFIG
@@ -65,8 +65,7 @@ def prepare_genai_folder(source, target, *, kv_check: str = "fast", overwrite: b
     opens it, the process must have called :func:`sparse_attention_op.register` (or use
     :func:`load_genai_model`). Returns ``target`` as a Path.
     """
-    if kv_check not in KV_CHECKS:
-        raise ValueError(f"kv_check must be one of {KV_CHECKS}, got {kv_check!r}")
+    require_kv_check(kv_check)
     source, target = Path(source), Path(target)
     config = _read_config(source, "source")
     _check_target(source, target, overwrite)

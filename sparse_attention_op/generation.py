@@ -30,7 +30,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from .bridge import KV_CHECKS
+from .bridge import require_kv_check
 from .model import ModelLike, load_model
 
 INPUT_IDS, ATTENTION_MASK, POSITION_IDS, LOGITS = "input_ids", "attention_mask", "position_ids", "logits"
@@ -221,8 +221,7 @@ def generate(
         raise GenerationError(f"pad_token_id must be an int >= 0, got {pad_token_id!r}")
     if on_step is not None and not callable(on_step):
         raise GenerationError(f"on_step must be callable (step, new_tokens) or None, got {type(on_step).__name__}")
-    if kv_check not in KV_CHECKS:
-        raise GenerationError(f"kv_check must be one of {KV_CHECKS}, got {kv_check!r}")
+    require_kv_check(kv_check, GenerationError)
     if cache_dims is not None and (len(tuple(cache_dims)) != 2 or not all(_is_int(d) and d > 0 for d in cache_dims)):
         raise GenerationError(f"cache_dims must be (kv_heads, head_size), two ints > 0, got {cache_dims!r}")
     rows = _prompt_rows(prompts, attention_mask)

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
-from .bridge import BRIDGE_DOMAIN, BRIDGE_FORMAT, KV_CHECKS
+from .bridge import BRIDGE_DOMAIN, BRIDGE_FORMAT, require_kv_check
 from .rewrite import NodePlan, expand, shared_initializers
 from .spec import DOMAIN, FLOAT_INPUTS, INPUT_NAMES, OPTIONAL_INPUTS, OP_TYPE, OpAttributes, SparseAttentionError, check_layout
 
@@ -62,8 +62,7 @@ def prepare_for_session(model: ModelLike, *, session_token: str | None = None, k
     """prepare_model, and the nodes whose pasts a session may read in place (pasts.py):
     node key -> (past_key input name, past_value input name, element type), for the
     nodes of the main graph whose two pasts are graph inputs."""
-    if kv_check not in KV_CHECKS:
-        raise ValueError(f"kv_check must be one of {KV_CHECKS}, got {kv_check!r}")
+    require_kv_check(kv_check)
     prepared = load_model(model)
     check_not_prepared(prepared)
     token = session_token or uuid.uuid4().hex

@@ -9,7 +9,7 @@ import weakref
 import onnxruntime as ort
 from onnxruntime_extensions import get_library_path
 
-from .bridge import KV_CHECKS, records, register
+from .bridge import records, register, require_kv_check
 from .model import ModelLike, prepare_for_session
 from .pasts import PastInputs, RecordingIOBinding, past_views
 from .spec import SparseAttentionError
@@ -174,8 +174,7 @@ def create_session(
     """
     from .webgpu.executor import ExecutionSettings
 
-    if kv_check not in KV_CHECKS:
-        raise ValueError(f"kv_check must be one of {KV_CHECKS}, got {kv_check!r}")
+    require_kv_check(kv_check)
     token = uuid.uuid4().hex
     prepared, past_inputs = prepare_for_session(model, session_token=token, kv_check=kv_check)
     register()
