@@ -1,23 +1,26 @@
 """The onnxruntime-extensions PyOps that carry a SparseAttention node's work to the executor.
 
 prepare_model (model.py) replaces each SparseAttention node by native ONNX Runtime nodes
-around the bridge's PyOps (three for a fast node, two for an exact one), so that no
+around the bridge's PyOps (three for a fast node, two for an exact one, and two for a fast
+node of create_session's graph whose pasts the session reads in place), so that no
 cache-sized tensor crosses the bridge (docs/design.md, "The graph around the op"):
 
 * ``SparseAttentionPlan`` sees shapes and lengths only. It validates them and says which
   past rows the fast check probes, which cos/sin rows the call's tokens read, whether the
   layout must cross (only until the node has seen it, when it is a constant), and how many
   history rows the exact check reads (all of them: exact nodes have no check op).
-* ``SparseAttentionCacheCheck`` (fast nodes only) sees the probe rows. It says how many
-  history rows must cross: none when the resident cache holds the past, all of them otherwise.
+* ``SparseAttentionCacheCheck`` (fast nodes of prepare_model's graphs) sees the probe rows.
+  It says how many history rows must cross: none when the resident cache holds the past,
+  all of them otherwise.
 * ``SparseAttentionKernel`` sees the query, the new key/value rows, the history rows asked
   for, the cos/sin rows and the layout when it crosses. It runs the GPU call and returns the
   output, the rotated new key rows and the ScatterND indices that place the new rows in
   the presents.
 
 Where the run's session published views of the node's pasts (pasts.py), no probe or
-history row crosses: the plan op asks for none, and the check and kernel ops read the rows
-from the views.
+history row crosses: the plan op asks for none, runs the fast check itself on the probe
+rows of the views, and the kernel op reads the history from them when the check failed (or
+for the exact check). A check op in such a graph has nothing left to do.
 
 Facts about the bridge that shape this module (measured, docs/design.md):
 
@@ -368,24 +371,29 @@ def _chunk_rows(info: NodeInfo, head_size: int, settings) -> int:
 def plan_op(*inputs, **attributes):
     """Shapes and lengths -> probe row indices, the new tokens' rotary rows, how many layouts cross,
     the target shapes of the native Reshapes (past as rows, the new rows by head, the
-    output), and how many history rows cross (the exact check reads them all, so its nodes
-    need no check op; none where the run fed the pasts where the op reads them in place,
-    pasts.py). Every native node that could fail on a malformed input depends on one of
-    these outputs, so this op's own check runs first and its message is the one reported."""
+    output), and how many history rows cross: none where the run fed the pasts where the op
+    reads them in place (pasts.py; the fast check then runs here), all of them otherwise (the
+    exact check reads them all, and so does a fast node without a check op whose pasts
+    could not be read in place). Every native node that could fail on a malformed input
+    depends on one of these outputs, so this op's own check runs first and its message is
+    the one reported."""
     info = node_info(attributes)
     shape_arrays, (total, key_totals) = inputs[: len(SHAPED_INPUTS)], inputs[len(SHAPED_INPUTS) :]
     shape, known = _describe(info, shape_arrays, total, key_totals)
     pasts = None if shape.is_prompt else _readable_pasts(info, shape)
-    probes, rows = None, _NO_ROWS
+    probes, rows, read_pasts = None, _NO_ROWS, pasts is not None
     if info.kv_check == "fast" and not shape.is_prompt:
         chunk_rows = _chunk_rows(info, shape.head_size, _settings(info))
         chunks = probe_chunks(shape.past_lengths, chunk_rows, shape.total_sequence_length)
         probe_rows = probe_row_indices(chunks, chunk_rows, shape.attributes.kv_num_heads, shape.max_cache_len)
         probes = (chunk_rows, chunks, probe_rows)
-        if pasts is None:  # the probe rows cross; with pasts, the check op reads them in place
+        if pasts is None:  # the probe rows cross to the check op
             rows = probe_rows
-    exact_in_place = pasts is not None and info.kv_check == "exact"
-    history_rows = 0 if exact_in_place else shape.history_rows
+        else:  # the probes are read in place, so the check runs here: the check op, if any, has nothing to do
+            read_pasts = not _probes_agree(info, shape, probes, *(view.reshape(-1, shape.head_size)[probe_rows] for view in pasts))
+    # The history rows that cross: none where the op reads them in place, all of them
+    # otherwise (an exact node, or a fast node whose graph has no check op: see rewrite.py).
+    history_rows = 0 if pasts is not None else shape.history_rows
     positions = shape.token_positions if shape.attributes.do_rotary else _NO_ROWS
     layouts = 0 if info.constant_layout and _executor().knows_layout(info.node_key) else shape.num_layout
     return (
@@ -396,8 +404,20 @@ def plan_op(*inputs, **attributes):
         known.split_shape,
         known.output_shape,
         np.array([history_rows], np.int64),
-        tickets.issue(info.node_key, shape, probes=probes, pasts=pasts, read_pasts=exact_in_place),
+        tickets.issue(info.node_key, shape, probes=probes, pasts=pasts, read_pasts=read_pasts),
     )
+
+
+def _probes_agree(info: NodeInfo, shape: CallShape, probes: tuple, probe_key: np.ndarray, probe_value: np.ndarray) -> bool:
+    """The fast check: do the probe rows of the caller's past (float32 or the node's
+    float16, flat rows) agree with what this thread's GPU cache of the node holds?"""
+    chunk_rows, chunks, _ = probes
+    b, heads, _, h = shape.cache_shape
+    rows = (b, heads, chunks.shape[1] * chunk_rows, h)
+    if probe_key.size != np.prod(rows):
+        return False
+    probe_key, probe_value = (probe.astype(np.float32, copy=False).reshape(rows) for probe in (probe_key, probe_value))
+    return _executor().cache_holds(info.node_key, shape, chunks, probe_key, probe_value, info.float16_storage, _settings(info))
 
 
 def _readable_pasts(info: NodeInfo, shape: CallShape) -> tuple | None:
@@ -420,24 +440,15 @@ def _plan_poison(inputs):
 
 
 def check_op(probe_key, probe_value, ticket, **attributes):
-    """The fast check: probe rows -> how many history rows must cross (0: the resident cache
-    holds the past, or the kernel op reads the history in place)."""
+    """The fast check of a node whose pasts cross: probe rows -> how many history rows must
+    cross (0: the resident cache holds the past; 0 too where the plan op read the probes in
+    place and decided already)."""
     info = node_info(attributes)
     issued = tickets.redeem(info.node_key, ticket)
     shape = issued.shape
-    if shape.is_prompt:
+    if shape.is_prompt or issued.pasts is not None:
         return (np.zeros(1, np.int64),)
-    chunk_rows, chunks, probe_rows = issued.probes  # a fast node's plan op chose them for every decode call
-    b, heads, _, h = shape.cache_shape
-    rows = (b, heads, chunks.shape[1] * chunk_rows, h)
-    if issued.pasts is not None:
-        probe_key, probe_value = (view.reshape(-1, h)[probe_rows].astype(np.float32, copy=False) for view in issued.pasts)
-    if probe_key.size == np.prod(rows) and _executor().cache_holds(
-        info.node_key, shape, chunks, probe_key.reshape(rows), probe_value.reshape(rows), info.float16_storage, _settings(info)
-    ):
-        return (np.zeros(1, np.int64),)
-    if issued.pasts is not None:
-        issued.read_pasts = True
+    if _probes_agree(info, shape, issued.probes, probe_key, probe_value):  # a fast node's plan op chose the probes
         return (np.zeros(1, np.int64),)
     return (np.array([shape.history_rows], np.int64),)
 

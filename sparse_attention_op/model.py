@@ -11,6 +11,7 @@ alone.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import uuid
 from pathlib import Path
@@ -55,13 +56,19 @@ def prepare_model(model: ModelLike, *, session_token: str | None = None, kv_chec
     token, so two models prepared separately never share GPU state. ``kv_check`` is the
     resident cache's check, ``"exact"`` or ``"fast"`` (see create_session).
     """
-    return prepare_for_session(model, session_token=session_token, kv_check=kv_check)[0]
+    return _prepare(model, session_token, kv_check, pasts_in_place=False)[0]
 
 
-def prepare_for_session(model: ModelLike, *, session_token: str | None = None, kv_check: str = "exact") -> tuple[onnx.ModelProto, dict]:
-    """prepare_model, and the nodes whose pasts a session may read in place (pasts.py):
-    node key -> (past_key input name, past_value input name, element type), for the
-    nodes of the main graph whose two pasts are graph inputs."""
+def prepare_for_session(model: ModelLike, *, session_token: str, kv_check: str) -> tuple[onnx.ModelProto, dict]:
+    """prepare_model for a session that reads pasts in place (create_session's, pasts.py),
+    and the nodes whose pasts it may read: node key -> (past_key input name, past_value
+    input name, element type), for the nodes of the main graph whose two pasts are graph
+    inputs. Those nodes' fast checks run in their plan ops (rewrite.py): the model needs
+    that session."""
+    return _prepare(model, session_token, kv_check, pasts_in_place=True)
+
+
+def _prepare(model: ModelLike, session_token: str | None, kv_check: str, pasts_in_place: bool) -> tuple[onnx.ModelProto, dict]:
     require_kv_check(kv_check)
     prepared = load_model(model)
     check_not_prepared(prepared)
@@ -80,10 +87,11 @@ def prepare_for_session(model: ModelLike, *, session_token: str | None = None, k
                 nodes.append(node)
                 continue
             plan = _plan(node, f"{token}/{count}:{node.name}", kv_check, types, constants | _constant_names(graph), main, graph)
-            expanded, private = expand(plan)
             pasts = (node.input[INPUT_NAMES.index("past_key")], node.input[INPUT_NAMES.index("past_value")])
             if graph is main and all(name in graph_inputs for name in pasts):
                 past_inputs[plan.node_key] = (*pasts, np.dtype(np.float16 if plan.float16 else np.float32))
+                plan = dataclasses.replace(plan, pasts_in_place=pasts_in_place)
+            expanded, private = expand(plan)
             nodes.extend(expanded)
             initializers.extend(private)
             count += 1
@@ -161,7 +169,8 @@ def _plan(node, node_key: str, kv_check: str, types: dict, constants: set, *grap
     constant_layout = all(name in constants for name in layout)
     if constant_layout:
         _check_constant_layout(label, layout, graphs)
-    return NodePlan(node=node, attributes=attributes, node_key=node_key, kv_check=kv_check, float16=float16, constant_layout=constant_layout)
+    return NodePlan(node=node, attributes=attributes, node_key=node_key, kv_check=kv_check, float16=float16,
+                    constant_layout=constant_layout, pasts_in_place=False)
 
 
 def _float_type(label: str, named: dict, types: dict) -> int:

@@ -13,10 +13,14 @@ around the op").
 
 A view is taken only where it is exactly what ORT reads: a C-contiguous numpy array or a
 CPU OrtValue of the node's element type, fed to a graph input that is the node's own
-``past_key``/``past_value``. The bridge also checks the view's shape against the shape the
-node was given. Everywhere else (a plain InferenceSession, ORT GenAI, a past computed inside
-the graph, an IOBinding not made by the session) the rows cross the bridge as before, with
-the same results.
+``past_key``/``past_value`` (``run`` makes a numpy past that is not C-contiguous so first,
+the copy ORT would make: :func:`contiguous_pasts`). The bridge also checks the view's shape
+against the shape the node was given. Everywhere else (a plain InferenceSession, ORT GenAI,
+a past computed inside the graph, an IOBinding not made by the session) the rows cross the
+bridge as before, with the same results. One cost differs there: create_session's graph has
+no fast check op for a node whose pasts it can read in place (rewrite.py), so a fast node
+whose pasts it could not read after all (a foreign IOBinding, a wrongly typed past that ORT
+then refuses) checks that call's whole history, exactly.
 
 The views are valid for one ``run`` only: ONNX Runtime holds the feeds until it returns, and
 the nodes that write the presents run after the op that reads the past.
@@ -51,6 +55,17 @@ def past_views(past_inputs: PastInputs, feeds: Mapping[str, object]) -> dict[str
         if key is not None and value is not None:
             views[node_key] = (key, value)
     return views
+
+
+def contiguous_pasts(past_inputs: PastInputs, feeds: dict) -> dict:
+    """``feeds``, with every numpy past of the node's type that is not C-contiguous replaced
+    by a C-contiguous copy (the caller's dict is left alone). ORT would make that copy
+    itself, where no view could see it; made here, the copy is what ORT reads, so it is read
+    in place like any other past."""
+    names = {name for key_name, value_name, _ in past_inputs.values() for name in (key_name, value_name)}
+    copies = {name: np.ascontiguousarray(feeds[name]) for name in names
+              if isinstance(feeds.get(name), np.ndarray) and not feeds[name].flags.c_contiguous}
+    return {**feeds, **copies} if copies else feeds
 
 
 class BoundInput:

@@ -7,7 +7,8 @@ native:
 
     Shape x9, total, key_totals --> SparseAttentionPlan --> probe rows, rotary window, layouts, history rows, ticket
     fast:  past --Reshape(rows)--> Gather(probe rows) --> SparseAttentionCacheCheck (ticket) --> history rows F
-    exact: F = the plan's history rows (every history row is digested: no probes, no check op)
+    exact, or fast under a session that reads the pasts in place: F = the plan's history rows
+           (an exact node digests every history row; the plan op checks the probes in place)
     past --Slice[0:F]--> history  \\
     cos/sin --Gather[positions]-->  > SparseAttentionKernel (ticket) --> output, new keys, indices
     layout --Slice[0:layouts]-->   /    query, key, value -------^
@@ -16,7 +17,8 @@ native:
     past, indices, value rows (Reshape, Transpose of the input) --ScatterND--> present_value
 
 Where a session reads the caller's pasts in place (pasts.py), the plan op sets F = 0 and the
-probe rows to none: the same graph, nothing history-sized copied.
+probe rows to none: nothing history-sized copied. prepare_model's graphs, for any session,
+keep the fast check op; create_session's leave it out for the nodes whose pasts it can read.
 
 Bound to one buffer with past (IO binding, as ORT GenAI runs it), ScatterND writes in place:
 no cache-sized copy at all. With plain ``run`` ScatterND copies the past into a fresh present
@@ -63,6 +65,10 @@ class NodePlan:
     kv_check: str
     float16: bool
     constant_layout: bool
+    #: The node's pasts are graph inputs of a session that reads them in place (pasts.py):
+    #: its plan op reads a fast check's probes there and decides, so the graph needs no
+    #: probe Gathers and no check op.
+    pasts_in_place: bool
 
 
 @dataclass
@@ -117,13 +123,17 @@ def expand(plan: NodePlan) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]
         ["probe_rows", "positions", "layouts", "past_rows_shape", "split_shape", "output_shape", "all_history_rows", "ticket"],
         domain=BRIDGE_DOMAIN, **op_attributes)
 
-    if plan.kv_check == "fast":
+    if plan.kv_check == "fast" and not plan.pasts_in_place:
         probes = []
         for name in ("past_key", "past_value"):
             flat = b.add("Reshape", [inputs[name], past_rows_shape], f"{name}_rows")
             probes.append(b.float32(b.add("Gather", [flat, probe_rows], f"{name}_probes", axis=0), f16))
         history_rows = b.add(CHECK_OP, probes + [ticket], "history_rows", domain=BRIDGE_DOMAIN, **op_attributes)
-    else:  # the exact check digests every history row: one PyOp and four native nodes fewer per call
+    else:
+        # The exact check digests every history row, and a session that reads the pasts in
+        # place checks a fast node's probes in the plan op: one PyOp and four native nodes
+        # fewer per call. Where that session cannot read a call's pasts in place after all
+        # (pasts.py says when), the whole history crosses and is checked exactly.
         history_rows = all_history
     history = [b.float32(b.add("Slice", [inputs[name], ZERO, history_rows, AXIS2], f"{name}_history"), f16) for name in ("past_key", "past_value")]
 

@@ -11,7 +11,7 @@ from onnxruntime_extensions import get_library_path
 
 from .bridge import records, register, require_kv_check
 from .model import ModelLike, prepare_for_session
-from .pasts import PastInputs, RecordingIOBinding, past_views
+from .pasts import PastInputs, RecordingIOBinding, contiguous_pasts, past_views
 from .spec import SparseAttentionError
 
 #: Marks SessionOptions that already carry the extensions library: registering it twice on
@@ -127,6 +127,8 @@ class SparseAttentionSession(ort.InferenceSession):
         return result
 
     def run(self, output_names, input_feed, run_options=None):
+        if isinstance(input_feed, dict) and self._past_inputs:
+            input_feed = contiguous_pasts(self._past_inputs, input_feed)
         feeds = input_feed if isinstance(input_feed, dict) else None
         return self._checked(super().run, feeds, output_names, input_feed, run_options or _QUIET_RUN)
 
@@ -164,8 +166,10 @@ def create_session(
       (:mod:`sparse_attention_op.pasts` says when); other pasts cross the bridge, sliced.
     * ``kv_check="fast"``: only lengths and probe rows cross (each sequence's last rows and
       a few rows spread over its history); when they disagree the call falls back to the
-      exact check. Cost per step is constant. It cannot see a change confined to rows it did
-      not probe, such as an edit to one row in the middle of a history.
+      exact check. Cost per step is constant (except through an IOBinding not made by
+      :meth:`SparseAttentionSession.io_binding`: the session checks the probes where the
+      pasts lie, so such a call's whole history is checked exactly). It cannot see a change
+      confined to rows it did not probe, such as an edit to one row in the middle of a history.
 
     ``profile=True`` times every dispatch with GPU timestamps (see :meth:`SparseAttentionSession.last_stats`).
     ``f16_cache`` keeps float16 models' GPU caches in f16 where the adapter allows (lossless).

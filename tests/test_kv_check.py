@@ -4,7 +4,9 @@ Ways: ``plain`` feeds numpy pasts and feeds each present back; ``shared`` binds 
 present to one buffer (IO binding, as ORT GenAI runs it), where the presents are written in
 place; ``ort_values`` feeds OrtValues (run_with_ort_values). Routes: the session reads the
 history from the caller's pasts in place (pasts.py), or, as for a plain InferenceSession or
-ORT GenAI, the rows cross the bridge (``bridge``). Every step is compared with the float64
+ORT GenAI, the rows cross the bridge (``bridge``: prepare_model's graph, with the fast check op);
+or the session's own graph, which checks a fast node's probes in its plan op, meets pasts it
+cannot read in place (``unread``: the whole history crosses and is checked). Every step is compared with the float64
 reference; the node's call statistics say how many history rows were compared, where they
 were read and how many went to the GPU (functional checks, not timings)."""
 
@@ -31,13 +33,18 @@ CONFIG = CaseConfig(batch=3, seq_len=6, num_heads=4, kv_num_heads=2, head_size=3
 LAYOUT = ("block_row_indices", "block_col_indices", "cos_cache", "sin_cache")
 MODES = ["exact", "fast"]
 WAYS = ["plain", "shared"]
-ROUTES = ["in_place", "bridge"]
+ROUTES = ["in_place", "bridge", "unread"]
 
 
 @pytest.fixture(params=ROUTES)
 def route(request, monkeypatch):
-    """How the history reaches the op; ``bridge`` is what sessions that cannot see the feeds get."""
+    """How the history reaches the op; ``bridge`` is what sessions that cannot see the feeds
+    get (prepare_model's graph, no pasts published), ``unread`` a session's own graph whose
+    pasts it finds it cannot read."""
     if request.param == "bridge":
+        monkeypatch.setattr(sao.session, "prepare_for_session", lambda model, session_token, kv_check: (
+            sao.prepare_model(model, session_token=session_token, kv_check=kv_check), {}))
+    if request.param == "unread":
         monkeypatch.setattr(sao.session, "past_views", lambda past_inputs, feeds: {})
     return request.param
 
@@ -128,30 +135,32 @@ def test_decode_steps_move_no_history(executor, rng, kv_check, way, route):
     for _ in range(6):
         stats = generation.step()
         assert stats.history_rows_uploaded == 0
-        if kv_check == "fast":
+        if kv_check == "fast" and route != "unread":
             assert stats.history_rows_compared == 0, "the fast check passed: no history row crossed"
             assert not stats.history_read_in_place
-        else:
+        else:  # the exact check, or a fast node of the session's graph that could not read its probes
             assert stats.history_rows_compared == 2 * CONFIG.kv_num_heads * int((generation.lengths - 1).sum())
             assert stats.history_read_in_place == (route == "in_place")
 
 
 @pytest.mark.parametrize("kv_check", MODES)
-def test_pasts_ort_cannot_be_read_in_place_cross_the_bridge(executor, rng, kv_check):
-    """A past ORT would convert (not C-contiguous), or bound through an IOBinding the session
-    did not make, is never read in place: its history crosses and the results stay exact."""
+def test_foreign_bindings_cross_the_bridge_and_strided_pasts_are_read_in_place(executor, rng, kv_check):
+    """A past bound through an IOBinding the session did not make is never read in place:
+    its history crosses (all of it, for a fast node too: the session's graph has no check op
+    to take its probes) and the results stay exact. A past that is not C-contiguous is made
+    so by run (the copy ORT would make) and read in place."""
     session = new_session(rng, kv_check)
     generation = Generation(session, rng, "plain", prompt_lengths=(6, 6, 6))
     generation.step()
     generation.step()
-    # Reordered rows (the fast check fails) in Fortran order: ORT copies such a feed.
+    # Reordered rows (the fast check fails) in Fortran order: run copies such a feed.
     generation.past = [p[[2, 0, 1]] for p in generation.past]
     generation.lengths = generation.lengths[[2, 0, 1]]
     generation.next()
     for name in ("past_key", "past_value"):
         generation.inputs[name] = np.asfortranarray(generation.inputs[name])
     stats = generation.step()
-    assert stats.history_rows_uploaded > 0 and not stats.history_read_in_place
+    assert stats.history_rows_uploaded > 0 and stats.history_read_in_place
     feeds = generation.feeds()
     inputs = {k: v.astype(np.float64) if v.dtype.kind == "f" else v for k, v in generation.inputs.items()}
     values = {name: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(p)) for name, p in zip(("past_key", "past_value"), generation.past)}
@@ -165,7 +174,7 @@ def test_pasts_ort_cannot_be_read_in_place_cross_the_bridge(executor, rng, kv_ch
     session.run_with_iobinding(binding)
     stats = next(iter(session.last_stats().values()))
     assert not stats.history_read_in_place
-    assert stats.history_rows_compared == (0 if kv_check == "fast" else 2 * CONFIG.kv_num_heads * int(generation.lengths.sum()))
+    assert stats.history_rows_compared == 2 * CONFIG.kv_num_heads * int(generation.lengths.sum())
     expected = sparse_attention_reference(**inputs, **CONFIG.node_attributes())[0]
     assert_close(binding.copy_outputs_to_cpu()[0], expected, "output through a foreign IOBinding")
 

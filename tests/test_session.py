@@ -74,6 +74,27 @@ def test_exact_nodes_slice_the_history_the_plan_op_names_without_a_check_op(rng)
     assert readers == ["ScatterND", "ScatterND", "Shape", "Shape", "Slice", "Slice"]
 
 
+def test_a_session_checks_fast_probes_in_the_plan_op_where_it_reads_the_pasts(rng):
+    """create_session's graph: a fast node whose pasts are graph inputs has no check op (its
+    plan op reads the probes in place) and slices the history the plan op names, as an
+    exact node does; one whose pasts the session cannot see keeps the check op."""
+    from sparse_attention_op.model import prepare_for_session
+
+    model = model_and_inputs(CaseConfig(), rng)[0]
+    prepared, past_inputs = prepare_for_session(model, session_token="t", kv_check="fast")
+    (plan,) = bridge_nodes(prepared, PLAN_OP)
+    assert bridge_nodes(prepared, CHECK_OP) == [] and list(past_inputs) == ["t/0:sparse_attention"]
+    readers = sorted(n.op_type for n in prepared.graph.node for name in ("past_key", "past_value") if name in n.input)
+    assert readers == ["ScatterND", "ScatterND", "Shape", "Shape", "Slice", "Slice"]
+    assert {n.input[2] for n in prepared.graph.node if n.op_type == "Slice" and n.input[0] == "past_key"} == {plan.output[-2]}
+    # The past computed inside the graph: nothing the session could read in place.
+    node = model.graph.node[0]
+    model.graph.node.insert(0, onnx.helper.make_node("Identity", ["past_key"], ["past_key_copy"]))
+    node.input[3] = "past_key_copy"
+    prepared, past_inputs = prepare_for_session(model, session_token="u", kv_check="fast")
+    assert len(bridge_nodes(prepared, CHECK_OP)) == 1 and past_inputs == {}
+
+
 def test_a_prepared_model_is_refused(rng):
     """Its nodes belong to another session or folder; one of another bridge format says so."""
     prepared = sao.prepare_model(model_and_inputs(CaseConfig(), rng)[0])
