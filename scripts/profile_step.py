@@ -102,7 +102,8 @@ def profile(kv_check: str, way: str, capacity: int, history: int, steps: int, rn
 
 def timeline(kv_check: str, way: str, capacity: int, history: int, steps: int, rng) -> None:
     """Decode steps without ORT's profiler: where ``run``'s time goes around and inside the
-    bridge's PyOps (two for exact nodes, which have no check op), from clock marks at the
+    bridge's PyOps (two where the node has no check op: exact nodes, and fast nodes whose
+    pasts the session reads in place, as here), from clock marks at the
     entry and exit of each (the bridge's invocation hook, wrapped). The gaps are ORT's native
     nodes and the bridge's copies between the ops."""
     from sparse_attention_op import _ortx_compat, bridge
@@ -131,7 +132,7 @@ def timeline(kv_check: str, way: str, capacity: int, history: int, steps: int, r
             op = {names[k]: (a, b) for k, a, b in marks}
             (p0, p1), (k0, k1) = op["plan_op"], op["kernel_op"]
             spans = [("run", end - start), ("run to plan", p0 - start), ("plan", p1 - p0)]
-            if "check_op" in op:  # fast nodes only
+            if "check_op" in op:  # fast nodes of graphs that keep the check op
                 c0, c1 = op["check_op"]
                 spans += [("plan to check", c0 - p1), ("check", c1 - c0), ("check to kernel", k0 - c1)]
             else:
