@@ -18,9 +18,10 @@ cache-sized tensor crosses the bridge (docs/design.md, "The graph around the op"
   the presents.
 
 Where the run's session published views of the node's pasts (pasts.py), no probe or
-history row crosses: the plan op asks for none, runs the fast check itself on the probe
-rows of the views, and the kernel op reads the history from them when the check failed (or
-for the exact check). A check op in such a graph has nothing left to do.
+history row crosses: the plan op asks for none, and the kernel op hands the views to the
+executor, which compares a fast node's probe rows with its cache on the GPU during the call
+(and reads the history, the exact check, only if they differ) or runs the exact check on
+them. A check op in such a graph has nothing left to do.
 
 Facts about the bridge that shape this module (measured, docs/design.md):
 
@@ -279,13 +280,13 @@ class Issued:
 
     number: int
     shape: CallShape
-    #: The fast check's probes: (chunk rows, probe chunks (batch, probes), flat probe rows).
+    #: The fast check's probes: (chunk rows, probe chunks (batch, probes)).
     probes: tuple | None = None
     #: Read-only views of the caller's past_key/past_value (pasts.py), when the run fed
     #: them where the op can read them; the history then never crosses the bridge.
     pasts: tuple | None = None
-    #: The kernel op compares the history read from ``pasts`` with what the GPU holds: the
-    #: exact check, or a fast check whose probes disagreed.
+    #: The kernel op hands the history in ``pasts`` to the executor: the exact check, or
+    #: (with probes) the fast check on the GPU, which reads the history only if they differ.
     read_pasts: bool = False
 
 
@@ -372,7 +373,7 @@ def plan_op(*inputs, **attributes):
     """Shapes and lengths -> probe row indices, the new tokens' rotary rows, how many layouts cross,
     the target shapes of the native Reshapes (past as rows, the new rows by head, the
     output), and how many history rows cross: none where the run fed the pasts where the op
-    reads them in place (pasts.py; the fast check then runs here), all of them otherwise (the
+    reads them in place (pasts.py; the fast check then runs on the GPU), all of them otherwise (the
     exact check reads them all, and so does a fast node without a check op whose pasts
     could not be read in place). Every native node that could fail on a malformed input
     depends on one of these outputs, so this op's own check runs first and its message is
@@ -381,16 +382,15 @@ def plan_op(*inputs, **attributes):
     shape_arrays, (total, key_totals) = inputs[: len(SHAPED_INPUTS)], inputs[len(SHAPED_INPUTS) :]
     shape, known = _describe(info, shape_arrays, total, key_totals)
     pasts = None if shape.is_prompt else _readable_pasts(info, shape)
-    probes, rows, read_pasts = None, _NO_ROWS, pasts is not None
+    probes, rows = None, _NO_ROWS
     if info.kv_check == "fast" and not shape.is_prompt:
         chunk_rows = _chunk_rows(info, shape.head_size, _settings(info))
         chunks = probe_chunks(shape.past_lengths, chunk_rows, shape.total_sequence_length)
-        probe_rows = probe_row_indices(chunks, chunk_rows, shape.attributes.kv_num_heads, shape.max_cache_len)
-        probes = (chunk_rows, chunks, probe_rows)
         if pasts is None:  # the probe rows cross to the check op
-            rows = probe_rows
-        else:  # the probes are read in place, so the check runs here: the check op, if any, has nothing to do
-            read_pasts = not _probes_agree(info, shape, probes, *(view.reshape(-1, shape.head_size)[probe_rows] for view in pasts))
+            rows = probe_row_indices(chunks, chunk_rows, shape.attributes.kv_num_heads, shape.max_cache_len)
+        # Read in place, the probes go with the history to the kernel op, and the GPU
+        # compares them with its cache (executor.py): the check op, if any, has nothing to do.
+        probes = (chunk_rows, chunks)
     # The history rows that cross: none where the op reads them in place, all of them
     # otherwise (an exact node, or a fast node whose graph has no check op: see rewrite.py).
     history_rows = 0 if pasts is not None else shape.history_rows
@@ -404,20 +404,8 @@ def plan_op(*inputs, **attributes):
         known.split_shape,
         known.output_shape,
         np.array([history_rows], np.int64),
-        tickets.issue(info.node_key, shape, probes=probes, pasts=pasts, read_pasts=read_pasts),
+        tickets.issue(info.node_key, shape, probes=probes, pasts=pasts, read_pasts=pasts is not None),
     )
-
-
-def _probes_agree(info: NodeInfo, shape: CallShape, probes: tuple, probe_key: np.ndarray, probe_value: np.ndarray) -> bool:
-    """The fast check: do the probe rows of the caller's past (float32 or the node's
-    float16, flat rows) agree with what this thread's GPU cache of the node holds?"""
-    chunk_rows, chunks, _ = probes
-    b, heads, _, h = shape.cache_shape
-    rows = (b, heads, chunks.shape[1] * chunk_rows, h)
-    if probe_key.size != np.prod(rows):
-        return False
-    probe_key, probe_value = (probe.astype(np.float32, copy=False).reshape(rows) for probe in (probe_key, probe_value))
-    return _executor().cache_holds(info.node_key, shape, chunks, probe_key, probe_value, info.float16_storage, _settings(info))
 
 
 def _readable_pasts(info: NodeInfo, shape: CallShape) -> tuple | None:
@@ -441,14 +429,19 @@ def _plan_poison(inputs):
 
 def check_op(probe_key, probe_value, ticket, **attributes):
     """The fast check of a node whose pasts cross: probe rows -> how many history rows must
-    cross (0: the resident cache holds the past; 0 too where the plan op read the probes in
-    place and decided already)."""
+    cross (0: the resident cache holds the past; 0 too where the pasts are read in place,
+    whose probes the GPU compares during the kernel op's call)."""
     info = node_info(attributes)
     issued = tickets.redeem(info.node_key, ticket)
     shape = issued.shape
     if shape.is_prompt or issued.pasts is not None:
         return (np.zeros(1, np.int64),)
-    if _probes_agree(info, shape, issued.probes, probe_key, probe_value):  # a fast node's plan op chose the probes
+    chunk_rows, chunks = issued.probes  # a fast node's plan op chose them for every decode call
+    b, heads, _, h = shape.cache_shape
+    rows = (b, heads, chunks.shape[1] * chunk_rows, h)
+    if probe_key.size == np.prod(rows) and _executor().cache_holds(
+        info.node_key, shape, chunks, probe_key.reshape(rows), probe_value.reshape(rows), info.float16_storage, _settings(info)
+    ):
         return (np.zeros(1, np.int64),)
     return (np.array([shape.history_rows], np.int64),)
 
@@ -478,9 +471,10 @@ def kernel_op(query, key, value, history_key, history_value, block_rows, block_c
         block_rows if layout_given else None,
         block_cols if layout_given else None,
         float16_storage=info.float16_storage,
+        probe_chunks=issued.probes[1] if issued.read_pasts and issued.probes is not None else None,
     )
     result = _executor().run(call, info.node_key, _settings(info), reuse_host_arrays=True)
-    result.stats.history_read_in_place = issued.read_pasts
+    result.stats.history_read_in_place = issued.read_pasts and result.stats.history_rows_compared > 0
     records.record_stats(info.token, info.node_key, result.stats)
     new_key = result.new_key if result.new_key is not None else np.zeros(0, np.float32)
     return result.output, new_key, scatter_indices(shape)

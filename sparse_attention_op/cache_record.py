@@ -24,7 +24,9 @@ Two checks use it (``kv_check`` of :func:`~sparse_attention_op.create_session`):
   spread over its history (their positions move from call to call). If the lengths or any
   probe disagree, the call falls back to the exact check. Cost is constant. It misses a
   change confined to rows it did not probe (an edit in the middle of a history that leaves
-  the last rows and the probed chunks alone).
+  the last rows and the probed chunks alone). Where the caller's pasts are read in place,
+  the GPU compares the probe rows with its cache instead of their digests with the record
+  (webgpu/executor.py, probe_compare.wgsl.jinja): the same probes, compared bit for bit.
 """
 
 from __future__ import annotations

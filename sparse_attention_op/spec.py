@@ -406,6 +406,11 @@ class SparseAttentionCall:
     #: values the op creates (rotated keys) are rounded to float16 values so that the
     #: presents survive the cast to float16 and back unchanged.
     float16_storage: bool = False
+    #: With a history (the caller's past, read in place): the fast check's chunks per batch
+    #: row, (batch, probes) indices of chunks of the record's chunk rows. The executor first
+    #: compares those rows with what the GPU holds, on the GPU, and reads the history (the
+    #: exact check) only where a length or a probed row differs.
+    probe_chunks: np.ndarray | None = None
 
     @property
     def has_history(self) -> bool:
@@ -444,6 +449,7 @@ def assemble_call(
     block_col_indices: np.ndarray | None = None,
     *,
     float16_storage: bool = False,
+    probe_chunks: np.ndarray | None = None,
 ) -> SparseAttentionCall:
     """Check the tensors against ``shape`` (the layout's content too, when given) and bundle them."""
     b, nkv, _, h = shape.cache_shape
@@ -462,6 +468,8 @@ def assemble_call(
         _fail("block_col_indices", "the layout's two CSR tensors must be given together")
     if block_row_indices is not None:
         check_layout(block_row_indices, block_col_indices)
+    if probe_chunks is not None and (probe_chunks.ndim != 2 or probe_chunks.shape[0] != b or history_key.shape[2] == 0):
+        _fail("past_key", f"probe chunks need the history and one row of chunks per batch row, got {probe_chunks.shape}")
     return SparseAttentionCall(
         shape=shape,
         query=_readonly(query),
@@ -474,6 +482,7 @@ def assemble_call(
         block_row_indices=_readonly(block_row_indices),
         block_col_indices=_readonly(block_col_indices),
         float16_storage=float16_storage,
+        probe_chunks=_readonly(probe_chunks),
     )
 
 

@@ -319,7 +319,26 @@ def test_junk_beyond_history_is_neither_read_nor_compared(executor, rng, kv_chec
         generation.past[0][b, :, length + 1 :] = np.nan  # the next step writes row `length`; beyond it is junk
         generation.past[1][b, :, length + 1 :] = np.inf
     generation.next()
-    assert generation.step().history_rows_uploaded == 0
+    stats = generation.step()
+    assert stats.history_rows_uploaded == 0 and not stats.probes_differed, "the GPU's fast check skips the junk its last chunks hold"
+
+
+def test_the_gpu_fast_check_compares_bits(executor, rng):
+    """A probed value whose only change is its sign of zero is a change, as for the exact
+    check's digests: the call runs again after the exact check, which uploads that chunk."""
+    generation = Generation(new_session(rng, "fast"), rng, "plain")
+    generation.step()
+    generation.inputs["value"][2, 0, 0] = 0.0  # batch row 2, kv head 0, dim 0 of the row this step writes
+    generation.step()
+    row = int(generation.lengths[2]) - 1  # the last history row: among the probes
+    assert generation.past[1][2, 0, row, 0] == 0.0 and not np.signbit(generation.past[1][2, 0, row, 0])
+    generation.past[1][2, 0, row, 0] = -0.0
+    generation.next()
+    stats = generation.step()
+    assert stats.probes_differed and stats.history_read_in_place
+    assert 0 < stats.history_rows_uploaded <= chunk_rows_for(CONFIG.head_size, 4)
+    stats = generation.step()
+    assert not stats.probes_differed and stats.history_rows_compared == 0
 
 
 @pytest.mark.parametrize("kv_check", MODES)

@@ -7,6 +7,10 @@ plans run; then one read-back brings the output, and the rotated new key rows wh
 is on. The presents are not built here: native ONNX Runtime nodes scatter the new rows into
 the caller's past (model.py), so no cache-sized tensor passes through Python.
 
+A call that brings the fast check's probe chunks with the caller's past (read in place)
+has them compared with the cache on the GPU, in a first dispatch of the same submit; if any
+row differs, its output is dropped and the call runs again after the exact check.
+
 State lives per node and per calling thread (:class:`NodeState`): the resident KV cache
 and the record of what it holds, the layout buffer, cached bind groups. Per thread,
 because a call is two steps (the fast cache check, then the attention op) that must see
@@ -17,6 +21,8 @@ work of the process goes through one lock: the device and queue are one resource
 from __future__ import annotations
 
 import collections
+import dataclasses
+import functools
 import math
 import threading
 import time
@@ -71,6 +77,9 @@ class CallStats:
     history_read_in_place: bool = False
     #: Host time of the call's phases (seconds), to see where a call's time goes.
     phases: dict = field(default_factory=dict)
+    #: The GPU's fast check found a probed row that differs from the cache, so the call ran
+    #: again after the exact check (these stats are the second run's).
+    probes_differed: bool = False
 
     @property
     def gpu_total(self) -> float | None:
@@ -307,14 +316,14 @@ class WebGPUExecutor:
         if not dispatch.limits_ok:
             raise SparseAttentionError("SparseAttention input 'query': batch, heads or sequence exceed the GPU's dispatch limits")
 
-    def _host_array(self, name: str, shape, reuse: bool) -> np.ndarray:
+    def _host_array(self, name: str, shape, reuse: bool, dtype=np.float32) -> np.ndarray:
         if not reuse:
-            return np.empty(shape, np.float32)
+            return np.empty(shape, dtype)
         key = (name, threading.get_ident())
         size = int(np.prod(shape))
         array = self._host_arrays.get(key)
         if array is None or array.size < size:
-            array = self._host_arrays[key] = np.empty(size, np.float32)
+            array = self._host_arrays[key] = np.empty(size, dtype)
         return array[:size].reshape(shape)
 
     def _execute(self, call: SparseAttentionCall, state: NodeState, plan: BlockPlan, dtype, settings: ExecutionSettings,
@@ -326,9 +335,13 @@ class WebGPUExecutor:
         stats = CallStats()
 
         # 1. The resident cache: room for this call's rows, then what it lacks of the past.
+        # A call with probes and lengths the cache holds checks its probes on the GPU first
+        # (probe_compare.wgsl.jinja): it runs as if they agreed, and is run again after the
+        # exact check below if they did not (step 4).
         cache.reserve(shape.rows_written)
         upload = Upload()
-        if call.has_history:
+        probing = call.probe_chunks is not None and _holds_lengths(record.valid, shape.past_lengths)
+        if call.has_history and not probing:
             plans = record.sync(shape.past_lengths, call.history_key, call.history_value)
             cache.upload_spans(upload, plans, call.history_key, call.history_value)
             stats.history_rows_compared = 2 * shape.attributes.kv_num_heads * sum(shape.past_lengths)
@@ -351,6 +364,9 @@ class WebGPUExecutor:
         if shape.attributes.do_rotary:
             sections["cos_cache"] = upload.section(call.cos_rows)
             sections["sin_cache"] = upload.section(call.sin_rows)
+        if probing:
+            slots, probe_key, probe_value = _probe_rows(call, record.chunk_rows)
+            sections.update(probe_slots=upload.section(slots), probe_key=upload.section(probe_key), probe_value=upload.section(probe_value))
         inputs = self._scratch.get("inputs", upload.section_bytes, STORAGE_IN)
         resources = {name: BufferRange(inputs, offset) for name, offset in sections.items()}
         if shape.packed_qkv:
@@ -363,16 +379,24 @@ class WebGPUExecutor:
         # The results share one buffer, laid out as in the read-back buffer: one copy back.
         output = self._host_array("output", shape.output_shape, reuse_host_arrays)
         new_key = self._host_array("new_key", shape.new_rows_shape, reuse_host_arrays) if shape.attributes.do_rotary else None
+        # With probes, the GPU fast check's flags come last (kernels.probe_grid: one per workgroup).
+        probe_flags = None
+        if probing:
+            grid = kernels.probe_grid(shape, slots.shape[1])
+            probe_flags = self._host_array("probe_flags", (grid[0] * grid[1],), True, np.uint32)
         key_offset = aligned(output.nbytes)
-        results = self._scratch.get("results", key_offset + (0 if new_key is None else new_key.nbytes), STORAGE_OUT)
+        flags_offset = key_offset + (0 if new_key is None else aligned(new_key.nbytes))
+        results = self._scratch.get("results", flags_offset + (0 if probe_flags is None else probe_flags.nbytes), STORAGE_OUT)
         resources["output"] = BufferRange(results, 0, key_offset)
         if new_key is not None:
             resources["new_key"] = BufferRange(results, key_offset, aligned(new_key.nbytes))
+        if probe_flags is not None:
+            resources["probe_flags"] = BufferRange(results, flags_offset, aligned(probe_flags.nbytes))
         for name, nbytes in dispatch.scratch_bytes.items():
             resources[name] = BufferRange(self._scratch.get(name, nbytes, wgpu.BufferUsage.STORAGE))
 
         cache_format = kernels.CacheFormat(rows=cache.rows, f16=np.dtype(dtype) == np.float16, round_keys_to_f16=call.float16_storage)
-        launches = self._launches(state, shape, dispatch.key, cache_format, resources)
+        launches = self._launches(state, shape, dispatch.key, cache_format, resources, probe_slots=slots.shape[1] if probing else 0)
         phases["prepare"] = time.perf_counter() - tick
 
         # 3. One command buffer: the uploads, every dispatch, then the read-back copies.
@@ -382,6 +406,8 @@ class WebGPUExecutor:
         download.add(output, resources["output"])
         if new_key is not None:
             download.add(new_key, resources["new_key"])
+        if probe_flags is not None:
+            download.add(probe_flags, resources["probe_flags"])
         ticks = None
         commands = recording.begin(device, timed)
         try:
@@ -410,6 +436,12 @@ class WebGPUExecutor:
         tick = time.perf_counter()
         download.read()
         phases["wait_read"] = time.perf_counter() - tick
+        if probe_flags is not None and probe_flags.any():
+            # A probed row differs from the cache: this output used a stale cache. The call
+            # again, the history compared in full (its own rows land in the cache again).
+            again = self._execute(dataclasses.replace(call, probe_chunks=None), state, plan, dtype, settings, dispatch, reuse_host_arrays)
+            again.stats.probes_differed = True
+            return again
 
         # 4. The record learns the rows this call wrote.
         tick = time.perf_counter()
@@ -426,12 +458,15 @@ class WebGPUExecutor:
             stats.gpu_seconds = {label: float(s) for label, s in zip(labels, seconds)}
         return CallResult(output, new_key, stats)
 
-    def _launches(self, state: NodeState, shape: CallShape, dispatch_key: tuple, cache_format, resources: dict) -> list[Launch]:
-        """The call's launches: the node's last ones when nothing they depend on changed."""
-        key = (dispatch_key, cache_format, tuple(sorted((name, r.key()) for name, r in resources.items())))
+    def _launches(self, state: NodeState, shape: CallShape, dispatch_key: tuple, cache_format, resources: dict, probe_slots: int = 0) -> list[Launch]:
+        """The call's launches: the node's last ones when nothing they depend on changed.
+        With ``probe_slots`` the GPU's fast check (kernels.probe_compare) comes first."""
+        key = (dispatch_key, cache_format, probe_slots, tuple(sorted((name, r.key()) for name, r in resources.items())))
         if state.launch_plan is not None and state.launch_plan.key == key:
             return state.launch_plan.launches
         dispatches = kernels.call_dispatches(shape, self.tuning, cache_format, resources)
+        if probe_slots:
+            dispatches = [kernels.probe_compare(shape, cache_format, resources, probe_slots)] + dispatches
         # Every dispatch's uniform block, one aligned slot each, in the node's own buffer
         # (written once per plan: uniforms hold shapes, never per-call data).
         blocks = [d.program.pack_uniforms(d.uniforms) for d in dispatches]
@@ -467,3 +502,34 @@ _executor = ProcessWide(WebGPUExecutor)
 def get_executor() -> WebGPUExecutor:
     """The process-wide executor on the process-wide device."""
     return _executor.get()
+
+
+def _holds_lengths(held: np.ndarray, past_lengths: tuple[int, ...]) -> bool:
+    """Whether the record's lengths are the call's past for every batch row with history
+    (a row without history starts afresh whatever the cache held)."""
+    return all(past == 0 or int(held[b]) == past for b, past in enumerate(past_lengths))
+
+
+def _probe_rows(call: SparseAttentionCall, chunk_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The GPU fast check's inputs: per batch row the cache rows of its probe chunks,
+    (batch, slots) uint32, and those rows of the caller's past key and value, (batch, kv
+    heads, slots, head) float32. Slots at or beyond a row's history are junk there: the
+    kernel skips them (they are clipped to the past's last row for the gather)."""
+    chunks = call.probe_chunks
+    slots = (chunks[:, :, None] * chunk_rows + _chunk_offsets(chunk_rows)).reshape(chunks.shape[0], -1)
+    batch_rows, heads = _gather_index(chunks.shape[0], call.history_key.shape[1])
+    rows = np.minimum(slots, call.history_key.shape[2] - 1)[:, None, :]
+    probes = [history[batch_rows, heads, rows].astype(np.float32, copy=False) for history in (call.history_key, call.history_value)]
+    return slots.astype(np.uint32), probes[0], probes[1]
+
+
+@functools.lru_cache(maxsize=16)
+def _chunk_offsets(chunk_rows: int) -> np.ndarray:
+    return np.arange(chunk_rows, dtype=np.int64)
+
+
+@functools.lru_cache(maxsize=64)
+def _gather_index(batch: int, kv_heads: int) -> tuple[np.ndarray, np.ndarray]:
+    """Index arrays (batch, 1, 1) and (1, kv heads, 1) that broadcast a (batch, 1, slots)
+    row index over every kv head: one gather for all probe rows of a tensor."""
+    return np.arange(batch)[:, None, None], np.arange(kv_heads)[None, :, None]

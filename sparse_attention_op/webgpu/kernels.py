@@ -345,6 +345,30 @@ def decode_merge(shape: CallShape, tuning: Tuning, splits: int, cache: CacheForm
     return bind("attention_merge", program, resources, uniforms, _fold(uniforms["count"]))
 
 
+#: Invocations of a probe_compare workgroup (one per vec4 of the probe rows).
+PROBE_WORKGROUP = 256
+
+
+def probe_grid(shape: CallShape, slots: int) -> tuple[int, int, int]:
+    """The probe_compare grid for ``slots`` probe rows per (batch row, kv head): one flag per workgroup."""
+    vec4s = shape.batch_size * shape.attributes.kv_num_heads * slots * (shape.head_size // 4)
+    return _fold(max(1, -(-vec4s // PROBE_WORKGROUP)))
+
+
+def probe_compare(shape: CallShape, cache: CacheFormat, resources: Mapping[str, BufferRange], slots: int) -> Dispatch:
+    """The fast check on the GPU (probe_compare.wgsl.jinja): ``slots`` probe rows per
+    (batch row, kv head) of the caller's past against the cache, one flag per workgroup."""
+    program = Program(
+        template="probe_compare.wgsl.jinja",
+        bindings=(Binding("probe_slots", "u32"), Binding("row_past", "u32"), Binding("probe_key", VEC4), Binding("probe_value", VEC4),
+                  Binding("key_cache", cache.vec), Binding("value_cache", cache.vec), Binding("probe_flags", "u32", writable=True)),
+        uniforms=(("batch", "u32"), ("kv_num_heads", "u32"), ("slots", "u32"), ("cache_rows", "u32")),
+        constants=(("head_vec", shape.head_size // 4), ("workgroup_size", PROBE_WORKGROUP)),
+    )
+    uniforms = dict(batch=shape.batch_size, kv_num_heads=shape.attributes.kv_num_heads, slots=slots, cache_rows=cache.rows)
+    return bind("probe_compare", program, resources, uniforms, probe_grid(shape, slots))
+
+
 def scratch_bytes(shape: CallShape, tuning: Tuning) -> dict[str, int]:
     """GPU-only buffers the dispatches need beyond the call's inputs, outputs and cache."""
     route = tuning.attention_route(shape)
