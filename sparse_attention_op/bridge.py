@@ -363,9 +363,9 @@ def _settings(info: NodeInfo):
 
 
 @functools.lru_cache(maxsize=256)
-def _chunk_rows(info: NodeInfo, head_size: int, settings) -> int:
-    """Rows per digest chunk of the node's record: fixed by head size and cache dtype."""
-    return _executor().chunk_rows_for(head_size, info.float16_storage, settings)
+def _chunk_rows(info: NodeInfo, head_size: int) -> int:
+    """Rows per digest chunk of the node's record: fixed by head size and the model's dtype."""
+    return _executor().chunk_rows_for(head_size, info.float16_storage)
 
 
 # -- the ops ------------------------------------------------------------------------------
@@ -384,7 +384,7 @@ def plan_op(*inputs, **attributes):
     pasts = None if shape.is_prompt else _readable_pasts(info, shape)
     probes, rows = None, _NO_ROWS
     if info.kv_check == "fast" and not shape.is_prompt:
-        chunk_rows = _chunk_rows(info, shape.head_size, _settings(info))
+        chunk_rows = _chunk_rows(info, shape.head_size)
         chunks = probe_chunks(shape.past_lengths, chunk_rows, shape.total_sequence_length)
         if pasts is None:  # the probe rows cross to the check op
             rows = probe_row_indices(chunks, chunk_rows, shape.attributes.kv_num_heads, shape.max_cache_len)

@@ -49,6 +49,8 @@ SPREAD_CHUNKS = 4
 #: Digesting more words than this at once is split over threads (numpy releases the GIL).
 _PARALLEL_WORDS = 1 << 19
 _GOLDEN = (math.sqrt(5) - 1) / 2
+#: Most decode steps append() keeps back: past a few dozen, one more row per flush saves nothing.
+_MAX_PENDING_ROWS = 64
 
 
 def chunk_rows_for(head_size: int, cache_itemsize: int) -> int:
@@ -183,7 +185,7 @@ class SyncPlan:
 class CacheRecord:
     """Digests of what one resident cache holds, per batch row and kv head (see module doc)."""
 
-    def __init__(self, batch: int, kv_heads: int, head_size: int, cache_itemsize: int, max_rows: int):
+    def __init__(self, batch: int, kv_heads: int, head_size: int, cache_itemsize: int, max_rows: int, max_pending_rows: int | None = None):
         self.batch, self.kv_heads, self.head_size, self.max_rows = batch, kv_heads, head_size, max_rows
         self.digests = Digests(chunk_rows_for(head_size, cache_itemsize), head_size)
         self.chunk_rows = self.digests.chunk_rows
@@ -191,6 +193,16 @@ class CacheRecord:
         self._set_table(np.zeros((2, batch, kv_heads, 0), np.uint64))
         # Index arrays of every (batch row, kv head), for looking probes up in the table.
         self._rows_heads = (np.arange(batch)[:, None, None], np.arange(kv_heads)[None, :, None])
+        # Decode steps' rows not digested yet (append): as many steps as the 1% bound leaves
+        # room for beside the table at its largest, or ``max_pending_rows``.
+        row_bytes = 2 * batch * kv_heads * head_size * 4
+        table_bytes = 2 * batch * kv_heads * -(-max_rows // self.chunk_rows) * DIGEST_BYTES + 2 * self.valid.nbytes
+        room = int(RECORD_FRACTION * 2 * batch * kv_heads * max_rows * head_size * cache_itemsize) - table_bytes
+        fits = min(max(room, 0) // row_bytes, _MAX_PENDING_ROWS)
+        self._pending_capacity = fits if max_pending_rows is None else min(fits, max_pending_rows)
+        self._pending = None  # (2, batch, kv heads, capacity, head) float32, made when first needed
+        self._pending_rows = 0
+        self._pending_from: tuple[int, ...] = ()  # each row's first pending row
 
     def _set_table(self, table: np.ndarray) -> None:
         """Key and value digests in one (2, batch, kv heads, chunks) table, so a decode step
@@ -200,11 +212,26 @@ class CacheRecord:
 
     @property
     def nbytes(self) -> int:
-        return self._table.nbytes + self.valid.nbytes
+        pending = 0 if self._pending is None else self._pending.nbytes
+        return self._table.nbytes + self.valid.nbytes + 8 * len(self._pending_from) + pending
 
     def forget(self) -> None:
         """The GPU's content is unknown (a failed call): nothing is held."""
         self.valid[:] = 0
+        self._pending_rows = 0
+
+    def chunk_digests(self, name: str) -> np.ndarray:
+        """The (batch, kv heads, chunks) digests of "key" or "value", every appended row in."""
+        self.flush()
+        return self._chunks[name]
+
+    def flush(self) -> None:
+        """Digest the decode steps' rows that append() kept back."""
+        count = self._pending_rows
+        if count:
+            self._pending_rows = 0
+            first = self._pending_from
+            self._add_rows(first, tuple(p + count for p in first), self._pending[0, :, :, :count], self._pending[1, :, :, :count])
 
     def probes_agree(self, past_lengths: tuple[int, ...], probes: np.ndarray, probe_key: np.ndarray, probe_value: np.ndarray) -> bool:
         """Fast check: lengths match and every probe chunk's digest matches the record.
@@ -221,6 +248,7 @@ class CacheRecord:
             return False
         if not live:
             return True
+        self.flush()
         if int(probes.max()) >= self._table.shape[3]:
             return False
         count = probes.shape[1]
@@ -247,6 +275,7 @@ class CacheRecord:
         """
         c = self.chunk_rows
         plans = {"key": SyncPlan(), "value": SyncPlan()}
+        self.flush()
         self._reserve(max(past_lengths, default=0))
         for b, past in enumerate(past_lengths):
             if past == 0:
@@ -271,14 +300,48 @@ class CacheRecord:
         """Record the rows a call wrote: rows [past, end) of each batch row (a prompt's
         padding rows reach the cache too, but they are not history, so not recorded).
 
-        Requires ``valid[b] == past[b]`` (the check just established it)."""
-        c = self.chunk_rows
-        self._reserve(max(end_rows, default=0))
-        if new_key.shape[2] == 1 and all(end - past == 1 for past, end in zip(past_lengths, end_rows)):
+        Requires ``valid[b] == past[b]`` (the check just established it). A decode step's rows
+        (one per batch row, right after the previous step's) are kept back and digested
+        together when the record is next read (sync, probes_agree, chunk_digests) or when the
+        room for them is full: most decode steps (GPU fast check, pasts read in place) never
+        read it, and one digest of several rows costs about what one of a row does.
+        """
+        one_row = new_key.shape[2] == 1 and all(end - past == 1 for past, end in zip(past_lengths, end_rows))
+        if one_row and self._pending_capacity:
+            self._keep_back(tuple(past_lengths), new_key, new_value)
+            return
+        self.flush()
+        if one_row:
+            self._reserve(max(end_rows, default=0))
             self._append_one_row(np.asarray(past_lengths, np.int64), new_key, new_value)
             return
-        for b, (past, end) in enumerate(zip(past_lengths, end_rows)):
+        for b, past in enumerate(past_lengths):
             assert self.valid[b] == past, "the record must describe the call's past before rows are appended"
+        self._add_rows(past_lengths, end_rows, new_key, new_value)
+        self.valid[:] = end_rows
+
+    def _keep_back(self, past: tuple[int, ...], new_key: np.ndarray, new_value: np.ndarray) -> None:
+        """append() of a decode step, its rows kept for a later flush(). Plain ints where it
+        can: a decode step calls this once per node."""
+        assert all(int(v) == p for v, p in zip(self.valid, past)), "the record must describe the call's past before rows are appended"
+        count = self._pending_rows
+        if count and (count == self._pending_capacity or any(p != first + count for p, first in zip(past, self._pending_from))):
+            self.flush()
+            count = 0
+        if self._pending is None:
+            self._pending = np.empty((2, self.batch, self.kv_heads, self._pending_capacity, self.head_size), np.float32)
+        if count == 0:
+            self._pending_from = past
+        self._pending[0, :, :, count] = new_key[:, :, 0]
+        self._pending[1, :, :, count] = new_value[:, :, 0]
+        self._pending_rows = count + 1
+        self.valid += 1
+
+    def _add_rows(self, past_lengths: tuple[int, ...], end_rows: tuple[int, ...], new_key: np.ndarray, new_value: np.ndarray) -> None:
+        """The digests of rows [past, end) of each batch row, into the table (``valid`` is the caller's)."""
+        c = self.chunk_rows
+        self._reserve(max(end_rows, default=0))
+        for b, (past, end) in enumerate(zip(past_lengths, end_rows)):
             count = end - past
             first = past // c
             for name, rows in (("key", new_key), ("value", new_value)):
@@ -288,7 +351,6 @@ class CacheRecord:
                     chunks[:, first] = 0  # a chunk that starts here starts from nothing
                 chunks[:, first + 1 : first + terms.shape[1]] = 0
                 chunks[:, first : first + terms.shape[1]] += terms  # uint64 wraps: modulo 2**64
-            self.valid[b] = end
 
     def _append_one_row(self, past: np.ndarray, new_key: np.ndarray, new_value: np.ndarray) -> None:
         """append() for a decode step, every batch row at once: one new row each, key and

@@ -435,6 +435,26 @@ def test_record_stays_within_one_percent_and_the_gpu_cache_follows_history(execu
         assert cache.rows < 4096 // 4, "the GPU cache holds about the history, not the capacity"
 
 
+@pytest.mark.parametrize("dtype, head_size", [(np.float32, 32), (np.float16, 64)])  # room for rows beside the table
+def test_rows_the_record_keeps_back_are_digested_as_the_cache_holds_them(executor, rng, dtype, head_size):
+    """Decode steps that never read the record (the GPU's fast check) leave their rows'
+    digests for later; read, the record describes exactly the rows the cache holds."""
+    config = CaseConfig(**{**CONFIG.__dict__, "max_cache_len": 4096, "sparse_block_size": 64, "head_size": head_size})
+    session = new_session(rng, "fast", config, dtype)
+    generation = Generation(session, rng, "shared", config=config, dtype=dtype)
+    for _ in range(8):
+        generation.step()
+    (node_key,) = [k for k in executor.node_keys() if k.startswith(session.sparse_attention_token)]
+    record = executor.node_state(node_key).cache.record
+    assert record._pending_capacity >= 2 and record._pending_rows > 0, "steps were kept back, and flushed on the way"
+    assert record.valid.tolist() == generation.lengths.tolist()
+    for name, past in zip(("key", "value"), generation.past):
+        table = record.chunk_digests(name)
+        for b, length in enumerate(generation.lengths):
+            expected = record.digests.of(past[b, :, :length].astype(np.float32))
+            assert np.array_equal(table[b, :, : expected.shape[1]], expected), (name, b)
+
+
 def test_wrongly_bound_output_raises_instead_of_aborting(executor, rng):
     # IO binding whose output keeps the previous step's shape once killed the process.
     generation = Generation(new_session(rng, "fast"), rng, "shared")
@@ -488,13 +508,17 @@ def test_uploads_through_the_staging_buffer(executor, rng, monkeypatch, kv_check
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("head_size, itemsize", [(128, 4), (16, 2), (64, 4)])
 def test_record_fast_paths_equal_the_general_ones(rng, head_size, itemsize, batch):
-    """Whole-chunk digests, one-row appends and the probe list: the decode step's short cuts
-    give what the general code gives (a wrong short cut would pass the fast check wrongly)."""
+    """Whole-chunk digests, one-row appends (digested at once, or kept back and digested
+    together later) and the probe list: the decode step's short cuts give what the general
+    code gives (a wrong short cut would pass the fast check wrongly)."""
     from sparse_attention_op.cache_record import LAST_ROWS, SPREAD_CHUNKS, CacheRecord
 
     heads = 2
-    general = CacheRecord(batch, heads, head_size, itemsize, max_rows=512)
-    fast = CacheRecord(batch, heads, head_size, itemsize, max_rows=512)
+    general = CacheRecord(batch, heads, head_size, itemsize, max_rows=8192)
+    fast = CacheRecord(batch, heads, head_size, itemsize, max_rows=8192, max_pending_rows=0)
+    # Rows kept back three steps at most, so it flushes on the way (at head size 16 the
+    # table alone takes the 1%: nothing is kept back there).
+    kept = CacheRecord(batch, heads, head_size, itemsize, max_rows=8192, max_pending_rows=3)
     c = general.chunk_rows
     rows = rng.standard_normal((batch, heads, 5 * c, head_size), dtype=np.float32)
     assert np.array_equal(general.digests.of_chunks(rows, 5), general.digests.of(rows))
@@ -503,17 +527,21 @@ def test_record_fast_paths_equal_the_general_ones(rng, head_size, itemsize, batc
     lengths = [7, 2 * c, 1][:batch]
     # Keys and values differ throughout, so a mix-up of the table's halves would show.
     prompt_key, prompt_value = (rng.standard_normal((batch, heads, max(lengths), head_size), dtype=np.float32) for _ in range(2))
-    for record in (general, fast):
+    for record in (general, fast, kept):
         record.append((0,) * batch, tuple(lengths), prompt_key, prompt_value)
-    for _ in range(2 * c + 1):
+    assert fast._pending_capacity == 0 and kept._pending_capacity == (0 if head_size == 16 else 3)
+    for _ in range(2 * c + 4):
         new_key, new_value = (rng.standard_normal((batch, heads, 1, head_size), dtype=np.float32) for _ in range(2))
         past = tuple(int(v) for v in fast.valid)
         fast.append(past, tuple(p + 1 for p in past), new_key, new_value)
+        kept.append(past, tuple(p + 1 for p in past), new_key, new_value)
         # A second, unused row sends the same append down the general path (one row of two).
         padded = [np.concatenate([new, np.full_like(new, np.nan)], axis=2) for new in (new_key, new_value)]
         general.append(past, tuple(p + 1 for p in past), *padded)
+    assert kept._pending_rows == (0 if head_size == 16 else (2 * c + 4) % 3 or 3) and np.array_equal(kept.valid, general.valid)
     for name in ("key", "value"):
-        assert np.array_equal(fast._chunks[name], general._chunks[name]), name
+        assert np.array_equal(fast.chunk_digests(name), general.chunk_digests(name)), name
+        assert np.array_equal(kept.chunk_digests(name), general.chunk_digests(name)), name
     # Probe chunks: the tail chunks of the last LAST_ROWS rows and SPREAD_CHUNKS spread ones,
     # clipped to the history, as a plain numpy formula computes them.
     for past_lengths, total in (((0, 5, 300), 301), ((1,), 2), ((4097, 64), 4098)):

@@ -175,11 +175,13 @@ class WebGPUExecutor:
                 return False
             return state.cache.record.probes_agree(shape.past_lengths, probes, probe_key, probe_value)
 
-    def chunk_rows_for(self, head_size: int, float16_storage: bool = False, settings: ExecutionSettings = ExecutionSettings()) -> int:
-        """Rows per digest chunk of a record of ``head_size`` rows in the cache dtype these settings give."""
+    @staticmethod
+    def chunk_rows_for(head_size: int, float16_storage: bool = False) -> int:
+        """Rows per digest chunk of a node's record: fixed by the head size and the model's
+        element size (the 1% bound is of the model's cache, whatever dtype the GPU keeps)."""
         from ..cache_record import chunk_rows_for
 
-        return chunk_rows_for(head_size, np.dtype(self._cache_dtype(float16_storage, settings)).itemsize)
+        return chunk_rows_for(head_size, _model_itemsize(float16_storage))
 
     def run(self, call: SparseAttentionCall, node_key: str = "default", settings: ExecutionSettings = ExecutionSettings(),
             *, reuse_host_arrays: bool = False) -> CallResult:
@@ -200,7 +202,7 @@ class WebGPUExecutor:
         with self._lock:
             self._drain_releases()
             state_key = (node_key, threading.get_ident())
-            state = self._state(state_key, shape, dtype)
+            state = self._state(state_key, shape, dtype, call.float16_storage)
             try:
                 result = self._execute(call, state, plan, dtype, settings, dispatch, reuse_host_arrays)
             except wgpu.GPUError as error:
@@ -269,7 +271,7 @@ class WebGPUExecutor:
         return (cache.batch, cache.kv_heads, cache.head_size, cache.max_rows, cache.dtype) == (
             shape.batch_size, shape.attributes.kv_num_heads, shape.head_size, shape.max_cache_len, np.dtype(dtype))
 
-    def _state(self, state_key, shape: CallShape, dtype) -> NodeState:
+    def _state(self, state_key, shape: CallShape, dtype, float16_storage: bool) -> NodeState:
         state = self._states.get(state_key)
         if state is None or not self._fits(state, shape, dtype):
             # A new cache shape is a new cache: nothing of the old one carries over.
@@ -277,7 +279,7 @@ class WebGPUExecutor:
                 state.release()
             device = self.context.device
             cache = ResidentCache(device, shape.batch_size, shape.attributes.kv_num_heads, shape.head_size, shape.max_cache_len, dtype,
-                                  self.context.max_binding_bytes)
+                                  self.context.max_binding_bytes, record_itemsize=_model_itemsize(float16_storage))
             state = self._states[state_key] = NodeState(cache, BufferPool(device, self.context.max_binding_bytes))
         return state
 
@@ -502,6 +504,11 @@ _executor = ProcessWide(WebGPUExecutor)
 def get_executor() -> WebGPUExecutor:
     """The process-wide executor on the process-wide device."""
     return _executor.get()
+
+
+def _model_itemsize(float16_storage: bool) -> int:
+    """Bytes per element of the node's cache in the model (float16 or float32)."""
+    return 2 if float16_storage else 4
 
 
 def _holds_lengths(held: np.ndarray, past_lengths: tuple[int, ...]) -> bool:
