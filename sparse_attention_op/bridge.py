@@ -21,7 +21,7 @@ Where the run's session published views of the node's pasts (pasts.py), no probe
 history row crosses: the plan op asks for none, and the kernel op hands the views to the
 executor, which compares a fast node's probe rows with its cache on the GPU during the call
 (and reads the history, the exact check, only if they differ) or runs the exact check on
-them. A check op in such a graph has nothing left to do.
+them. Such nodes have no check op (rewrite.py).
 
 Facts about the bridge that shape this module (measured, docs/design.md):
 
@@ -283,11 +283,10 @@ class Issued:
     #: The fast check's probes: (chunk rows, probe chunks (batch, probes)).
     probes: tuple | None = None
     #: Read-only views of the caller's past_key/past_value (pasts.py), when the run fed
-    #: them where the op can read them; the history then never crosses the bridge.
+    #: them where the op can read them; the history then never crosses the bridge: the
+    #: kernel op hands the views to the executor, for the exact check or (with probes) the
+    #: fast check on the GPU, which reads the history only if a probe differs.
     pasts: tuple | None = None
-    #: The kernel op hands the history in ``pasts`` to the executor: the exact check, or
-    #: (with probes) the fast check on the GPU, which reads the history only if they differ.
-    read_pasts: bool = False
 
 
 class _Tickets:
@@ -404,7 +403,7 @@ def plan_op(*inputs, **attributes):
         known.split_shape,
         known.output_shape,
         np.array([history_rows], np.int64),
-        tickets.issue(info.node_key, shape, probes=probes, pasts=pasts, read_pasts=pasts is not None),
+        tickets.issue(info.node_key, shape, probes=probes, pasts=pasts),
     )
 
 
@@ -428,13 +427,13 @@ def _plan_poison(inputs):
 
 
 def check_op(probe_key, probe_value, ticket, **attributes):
-    """The fast check of a node whose pasts cross: probe rows -> how many history rows must
-    cross (0: the resident cache holds the past; 0 too where the pasts are read in place,
-    whose probes the GPU compares during the kernel op's call)."""
+    """The fast check of a node whose pasts cross (prepare_model's graphs: no session reads
+    them in place): probe rows -> how many history rows must cross (0: the resident cache
+    holds the past, all of them otherwise)."""
     info = node_info(attributes)
     issued = tickets.redeem(info.node_key, ticket)
     shape = issued.shape
-    if shape.is_prompt or issued.pasts is not None:
+    if shape.is_prompt:
         return (np.zeros(1, np.int64),)
     chunk_rows, chunks = issued.probes  # a fast node's plan op chose them for every decode call
     b, heads, _, h = shape.cache_shape
@@ -455,7 +454,8 @@ def kernel_op(query, key, value, history_key, history_value, block_rows, block_c
     info = node_info(attributes)
     issued = tickets.redeem(info.node_key, ticket)
     shape = issued.shape
-    if issued.read_pasts:  # the history is read where the caller keeps it (pasts.py)
+    in_place = issued.pasts is not None
+    if in_place:  # the history is read where the caller keeps it (pasts.py)
         history_key, history_value = issued.pasts
     layout_given = block_rows.shape[0] > 0
     rotary = shape.attributes.do_rotary
@@ -471,10 +471,10 @@ def kernel_op(query, key, value, history_key, history_value, block_rows, block_c
         block_rows if layout_given else None,
         block_cols if layout_given else None,
         float16_storage=info.float16_storage,
-        probe_chunks=issued.probes[1] if issued.read_pasts and issued.probes is not None else None,
+        probe_chunks=issued.probes[1] if in_place and issued.probes is not None else None,
     )
     result = _executor().run(call, info.node_key, _settings(info), reuse_host_arrays=True)
-    result.stats.history_read_in_place = issued.read_pasts and result.stats.history_rows_compared > 0
+    result.stats.history_read_in_place = in_place and result.stats.history_rows_compared > 0
     records.record_stats(info.token, info.node_key, result.stats)
     new_key = result.new_key if result.new_key is not None else np.zeros(0, np.float32)
     return result.output, new_key, scatter_indices(shape)

@@ -63,8 +63,8 @@ def prepare_for_session(model: ModelLike, *, session_token: str, kv_check: str) 
     """prepare_model for a session that reads pasts in place (create_session's, pasts.py),
     and the nodes whose pasts it may read: node key -> (past_key input name, past_value
     input name, element type), for the nodes of the main graph whose two pasts are graph
-    inputs. Those nodes' fast checks run in their plan ops (rewrite.py): the model needs
-    that session."""
+    inputs. Those nodes' fast checks read their probes in place and run on the GPU
+    (rewrite.py): the model needs that session."""
     return _prepare(model, session_token, kv_check, pasts_in_place=True)
 
 

@@ -13,14 +13,14 @@ around the op").
 
 A view is taken only where it is exactly what ORT reads: a C-contiguous numpy array or a
 CPU OrtValue of the node's element type, fed to a graph input that is the node's own
-``past_key``/``past_value`` (``run`` makes a numpy past that is not C-contiguous so first,
-the copy ORT would make: :func:`contiguous_pasts`). The bridge also checks the view's shape
+``past_key``/``past_value`` (``run`` and the session's IOBinding make a numpy past that is
+not C-contiguous so first, the copy ORT would make: :func:`contiguous_pasts`). The bridge also checks the view's shape
 against the shape the node was given. Everywhere else (a plain InferenceSession, ORT GenAI,
 a past computed inside the graph, an IOBinding not made by the session) the rows cross the
 bridge as before, with the same results. One cost differs there: create_session's graph has
 no fast check op for a node whose pasts it can read in place (rewrite.py), so a fast node
-whose pasts it could not read after all (a foreign IOBinding, a wrongly typed past that ORT
-then refuses) checks that call's whole history, exactly.
+whose pasts it could not read after all (a foreign IOBinding, a past bound on another
+device) checks that call's whole history, exactly.
 
 The views are valid for one ``run`` only: ONNX Runtime holds the feeds until it returns, and
 the nodes that write the presents run after the op that reads the past.
@@ -62,10 +62,19 @@ def contiguous_pasts(past_inputs: PastInputs, feeds: dict) -> dict:
     by a C-contiguous copy (the caller's dict is left alone). ORT would make that copy
     itself, where no view could see it; made here, the copy is what ORT reads, so it is read
     in place like any other past."""
-    names = {name for key_name, value_name, _ in past_inputs.values() for name in (key_name, value_name)}
-    copies = {name: np.ascontiguousarray(feeds[name]) for name in names
-              if isinstance(feeds.get(name), np.ndarray) and not feeds[name].flags.c_contiguous}
+    types = _past_types(past_inputs)
+    copies = {name: np.ascontiguousarray(feeds[name]) for name in types if _strided(feeds.get(name), types[name])}
     return {**feeds, **copies} if copies else feeds
+
+
+def _past_types(past_inputs: PastInputs) -> dict[str, np.dtype]:
+    """Graph input name -> element type, for every past the nodes could read in place."""
+    return {name: dtype for key_name, value_name, dtype in past_inputs.values() for name in (key_name, value_name)}
+
+
+def _strided(fed, dtype: np.dtype) -> bool:
+    """A numpy past of the right type that ORT would copy (not C-contiguous)."""
+    return isinstance(fed, np.ndarray) and fed.dtype == dtype and not fed.flags.c_contiguous
 
 
 class BoundInput:
@@ -84,13 +93,17 @@ class BoundInput:
 class RecordingIOBinding(ort.IOBinding):
     """The IOBinding of :meth:`SparseAttentionSession.io_binding`: an ordinary IOBinding that
     also remembers what each input is bound to, so that ``run_with_iobinding`` can hand the
-    nodes their bound pasts (ORT's IOBinding does not say what it holds)."""
+    nodes their bound pasts (ORT's IOBinding does not say what it holds). A numpy past that
+    is not C-contiguous is bound as a C-contiguous copy, as ``run`` does (contiguous_pasts)."""
 
-    def __init__(self, session):
+    def __init__(self, session, past_inputs: PastInputs):
         super().__init__(session)
         self.bound_inputs: dict[str, object] = {}
+        self._past_types = _past_types(past_inputs)
 
     def bind_cpu_input(self, name, arr_on_cpu):
+        if name in self._past_types and _strided(arr_on_cpu, self._past_types[name]):
+            arr_on_cpu = np.ascontiguousarray(arr_on_cpu)  # kept alive in bound_inputs
         super().bind_cpu_input(name, arr_on_cpu)
         self.bound_inputs[name] = arr_on_cpu
 

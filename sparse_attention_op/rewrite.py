@@ -8,7 +8,7 @@ native:
     Shape x9, total, key_totals --> SparseAttentionPlan --> probe rows, rotary window, layouts, history rows, ticket
     fast:  past --Reshape(rows)--> Gather(probe rows) --> SparseAttentionCacheCheck (ticket) --> history rows F
     exact, or fast under a session that reads the pasts in place: F = the plan's history rows
-           (an exact node digests every history row; the plan op checks the probes in place)
+           (an exact node digests every history row; the GPU checks the probes, read in place)
     past --Slice[0:F]--> history  \\
     cos/sin --Gather[positions]-->  > SparseAttentionKernel (ticket) --> output, new keys, indices
     layout --Slice[0:layouts]-->   /    query, key, value -------^
@@ -66,8 +66,8 @@ class NodePlan:
     float16: bool
     constant_layout: bool
     #: The node's pasts are graph inputs of a session that reads them in place (pasts.py):
-    #: its plan op reads a fast check's probes there and decides, so the graph needs no
-    #: probe Gathers and no check op.
+    #: a fast check's probe rows are read there and compared on the GPU during the kernel
+    #: op's call (webgpu/executor.py), so the graph needs no probe Gathers and no check op.
     pasts_in_place: bool
 
 
@@ -130,10 +130,11 @@ def expand(plan: NodePlan) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]
             probes.append(b.float32(b.add("Gather", [flat, probe_rows], f"{name}_probes", axis=0), f16))
         history_rows = b.add(CHECK_OP, probes + [ticket], "history_rows", domain=BRIDGE_DOMAIN, **op_attributes)
     else:
-        # The exact check digests every history row, and a session that reads the pasts in
-        # place checks a fast node's probes in the plan op: one PyOp and four native nodes
-        # fewer per call. Where that session cannot read a call's pasts in place after all
-        # (pasts.py says when), the whole history crosses and is checked exactly.
+        # The exact check digests every history row, and where a session reads the pasts in
+        # place the GPU checks a fast node's probes during the kernel op's call: one PyOp
+        # and four native nodes fewer per call. Where that session cannot read a call's
+        # pasts in place after all (pasts.py says when), the whole history crosses and is
+        # checked exactly.
         history_rows = all_history
     history = [b.float32(b.add("Slice", [inputs[name], ZERO, history_rows, AXIS2], f"{name}_history"), f16) for name in ("past_key", "past_value")]
 

@@ -101,7 +101,7 @@ class SparseAttentionSession(ort.InferenceSession):
     def io_binding(self) -> RecordingIOBinding:
         """An IOBinding (onnxruntime's own, which also notes what each input is bound to, so
         that the nodes read bound pasts in place: see :mod:`sparse_attention_op.pasts`)."""
-        return RecordingIOBinding(self)
+        return RecordingIOBinding(self, self._past_inputs)
 
     def _checked(self, method, feeds, *args):
         """``method(*args)`` with the errors refused inside nodes raised, and the pasts among

@@ -74,10 +74,10 @@ def test_exact_nodes_slice_the_history_the_plan_op_names_without_a_check_op(rng)
     assert readers == ["ScatterND", "ScatterND", "Shape", "Shape", "Slice", "Slice"]
 
 
-def test_a_session_checks_fast_probes_in_the_plan_op_where_it_reads_the_pasts(rng):
+def test_a_session_graph_has_no_check_op_where_it_reads_the_pasts(rng):
     """create_session's graph: a fast node whose pasts are graph inputs has no check op (its
-    plan op reads the probes in place) and slices the history the plan op names, as an
-    exact node does; one whose pasts the session cannot see keeps the check op."""
+    probes are read in place and compared on the GPU) and slices the history the plan op
+    names, as an exact node does; one whose pasts the session cannot see keeps the check op."""
     from sparse_attention_op.model import prepare_for_session
 
     model = model_and_inputs(CaseConfig(), rng)[0]

@@ -13,8 +13,8 @@ row differs, its output is dropped and the call runs again after the exact check
 
 State lives per node and per calling thread (:class:`NodeState`): the resident KV cache
 and the record of what it holds, the layout buffer, cached bind groups. Per thread,
-because a call is two steps (the fast cache check, then the attention op) that must see
-the same state, and ONNX Runtime runs both on the thread that called ``run``. All GPU
+because a call is two or three ops (plan, the fast check's op where the graph has one, the
+attention op) that must see the same state, and ONNX Runtime runs both on the thread that called ``run``. All GPU
 work of the process goes through one lock: the device and queue are one resource.
 """
 
