@@ -154,19 +154,31 @@ def probe_chunks(past_lengths: tuple[int, ...], chunk_rows: int, total_sequence_
     return np.array(rows, np.int64).reshape(len(past_lengths), last + SPREAD_CHUNKS)
 
 
+def probe_slots(probes: np.ndarray, chunk_rows: int) -> np.ndarray:
+    """The cache rows of the probe chunks, (batch, probes * chunk_rows) in (probe, row) order
+    per batch row (the same for every kv head). Rows at or beyond a history's end may be
+    among them (the chunk it ends inside); the checks skip them."""
+    return (probes[:, :, None] * chunk_rows + _chunk_offsets(chunk_rows)).reshape(probes.shape[0], -1)
+
+
+@functools.lru_cache(maxsize=16)
+def _chunk_offsets(chunk_rows: int) -> np.ndarray:
+    return np.arange(chunk_rows, dtype=np.int64)
+
+
 def probe_row_indices(probes: np.ndarray, chunk_rows: int, kv_heads: int, max_cache_len: int) -> np.ndarray:
     """Flat row indices into past viewed as (batch * kv_heads * max_cache_len, head): the
     rows of every probe chunk of every (batch row, kv head), in (batch, head, probe, row) order.
     Rows past the cache's end (a last chunk cut short) repeat its last row; they are never digested."""
-    rows = np.minimum((probes * chunk_rows)[:, None, :, None] + np.arange(chunk_rows), max_cache_len - 1)
+    rows = np.minimum(probe_slots(probes, chunk_rows), max_cache_len - 1)[:, None, :]
     return (_head_starts(probes.shape[0], kv_heads, max_cache_len) + rows).reshape(-1)
 
 
 @functools.lru_cache(maxsize=64)
 def _head_starts(batch: int, kv_heads: int, max_cache_len: int) -> np.ndarray:
-    """(batch, kv heads, 1, 1): each (batch row, head)'s first flat row (read-only, cached:
+    """(batch, kv heads, 1): each (batch row, head)'s first flat row (read-only, cached:
     a decode step asks for the same every call)."""
-    starts = ((np.arange(batch)[:, None] * kv_heads + np.arange(kv_heads)[None, :]) * max_cache_len)[:, :, None, None]
+    starts = ((np.arange(batch)[:, None] * kv_heads + np.arange(kv_heads)[None, :]) * max_cache_len)[:, :, None]
     starts.flags.writeable = False
     return starts
 
@@ -220,6 +232,11 @@ class CacheRecord:
         self.valid[:] = 0
         self._pending_rows = 0
 
+    def holds_lengths(self, past_lengths: tuple[int, ...]) -> bool:
+        """Whether the cache holds each batch row's past length (a row without history
+        starts afresh, whatever the cache held). Plain ints: a decode step's path."""
+        return all(past == 0 or int(held) == past for held, past in zip(self.valid, past_lengths))
+
     def chunk_digests(self, name: str) -> np.ndarray:
         """The (batch, kv heads, chunks) digests of "key" or "value", every appended row in."""
         self.flush()
@@ -242,10 +259,9 @@ class CacheRecord:
         key and value rows are digested, looked up and compared together.
         """
         c = self.chunk_rows
-        held = [int(v) for v in self.valid]
-        live = [b for b, past in enumerate(past_lengths) if past > 0]
-        if any(held[b] != past_lengths[b] for b in live):
+        if not self.holds_lengths(past_lengths):
             return False
+        live = [b for b, past in enumerate(past_lengths) if past > 0]
         if not live:
             return True
         self.flush()

@@ -32,6 +32,7 @@ import numpy as np
 import wgpu
 
 from ..block_plan import BlockPlan, BlockPlanCache
+from ..cache_record import probe_slots
 from ..spec import CallShape, SparseAttentionCall, SparseAttentionError
 from . import kernels, recording
 from .buffers import STORAGE_IN, STORAGE_OUT, UNIFORM, BufferPool, Download, GpuBufferError, Upload, aligned
@@ -342,19 +343,18 @@ class WebGPUExecutor:
         # exact check below if they did not (step 4).
         cache.reserve(shape.rows_written)
         upload = Upload()
-        probing = call.probe_chunks is not None and _holds_lengths(record.valid, shape.past_lengths)
+        probing = call.probe_chunks is not None and record.holds_lengths(shape.past_lengths)
         if call.has_history and not probing:
             plans = record.sync(shape.past_lengths, call.history_key, call.history_value)
             cache.upload_spans(upload, plans, call.history_key, call.history_value)
             stats.history_rows_compared = 2 * shape.attributes.kv_num_heads * sum(shape.past_lengths)
             stats.history_rows_uploaded = plans["key"].rows + plans["value"].rows
         else:
-            held = record.valid
+            if not probing and not record.holds_lengths(shape.past_lengths):
+                raise SparseAttentionError("SparseAttention: the call carries no history rows, but the resident cache does not hold its past")
             for b, past in enumerate(shape.past_lengths):  # plain ints: a decode step's path
                 if past == 0:
-                    held[b] = 0  # a row starting afresh (a prompt)
-                elif held[b] != past:
-                    raise SparseAttentionError("SparseAttention: the call carries no history rows, but the resident cache does not hold its past")
+                    record.valid[b] = 0  # a row starting afresh (a prompt)
         phases["sync"] = time.perf_counter() - tick
 
         # 2. The call's inputs, as sections of one buffer.
@@ -511,28 +511,17 @@ def _model_itemsize(float16_storage: bool) -> int:
     return 2 if float16_storage else 4
 
 
-def _holds_lengths(held: np.ndarray, past_lengths: tuple[int, ...]) -> bool:
-    """Whether the record's lengths are the call's past for every batch row with history
-    (a row without history starts afresh whatever the cache held)."""
-    return all(past == 0 or int(held[b]) == past for b, past in enumerate(past_lengths))
-
-
 def _probe_rows(call: SparseAttentionCall, chunk_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The GPU fast check's inputs: per batch row the cache rows of its probe chunks,
     (batch, slots) uint32, and those rows of the caller's past key and value, (batch, kv
     heads, slots, head) float32. Slots at or beyond a row's history are junk there: the
     kernel skips them (they are clipped to the past's last row for the gather)."""
     chunks = call.probe_chunks
-    slots = (chunks[:, :, None] * chunk_rows + _chunk_offsets(chunk_rows)).reshape(chunks.shape[0], -1)
+    slots = probe_slots(chunks, chunk_rows)
     batch_rows, heads = _gather_index(chunks.shape[0], call.history_key.shape[1])
     rows = np.minimum(slots, call.history_key.shape[2] - 1)[:, None, :]
     probes = [history[batch_rows, heads, rows].astype(np.float32, copy=False) for history in (call.history_key, call.history_value)]
     return slots.astype(np.uint32), probes[0], probes[1]
-
-
-@functools.lru_cache(maxsize=16)
-def _chunk_offsets(chunk_rows: int) -> np.ndarray:
-    return np.arange(chunk_rows, dtype=np.int64)
 
 
 @functools.lru_cache(maxsize=64)
