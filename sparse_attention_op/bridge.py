@@ -346,10 +346,18 @@ class _Tickets:
 tickets = _Tickets()
 
 
-def _executor():
-    from .webgpu import get_executor  # the GPU is touched on the first call, not at import
+#: The process-wide executor, once a call has needed it (webgpu.get_executor: made once,
+#: never replaced), kept here so that a decode step's ops do not look it up again.
+_process_executor = None
 
-    return get_executor()
+
+def _executor():
+    global _process_executor
+    if _process_executor is None:
+        from .webgpu import get_executor  # the GPU is touched on the first call, not at import
+
+        _process_executor = get_executor()
+    return _process_executor
 
 
 def _settings(info: NodeInfo):

@@ -112,38 +112,44 @@ class Upload:
         self._sections: list[tuple[np.ndarray, int]] = []
         self._writes: list[tuple[np.ndarray, object, int]] = []
         self.section_bytes = 0
+        #: Bytes of host data this upload moves.
+        self.nbytes = 0
+        self._write_bytes = 0  # the writes', each aligned (their room in a staging buffer)
 
     def section(self, array: np.ndarray) -> int:
         offset = self.section_bytes
-        self._sections.append((np.ascontiguousarray(array), offset))
+        array = np.ascontiguousarray(array)
+        self._sections.append((array, offset))
         self.section_bytes += aligned(array.nbytes)
+        self.nbytes += array.nbytes
         return offset
 
     def write(self, array: np.ndarray, destination, offset: int) -> None:
-        self._writes.append((np.ascontiguousarray(array), destination, offset))
+        array = np.ascontiguousarray(array)
+        self._writes.append((array, destination, offset))
+        self._write_bytes += aligned(array.nbytes)
+        self.nbytes += array.nbytes
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of host data this upload moves."""
-        return sum(a.nbytes for a, _ in self._sections) + sum(a.nbytes for a, _, _ in self._writes)
-
-    def encode(self, device, commands, pool: BufferPool, inputs, spin_seconds: float = 0.0) -> None:
+    def encode(self, device, commands, pool: BufferPool, inputs, spin_seconds: float = 0.0, packing=None) -> None:
         """Record every section into ``inputs`` and every write into its buffer, ahead of the
         dispatches the caller records next (``commands``: a recording.py recording;
-        ``spin_seconds``: see mapping.mapped)."""
-        items = [(array, inputs, offset) for array, offset in self._sections] + self._writes
-        total = sum(aligned(array.nbytes) for array, _, _ in items)
+        ``spin_seconds``: see mapping.mapped). ``packing(nbytes)`` may lend the uint8 host
+        array the small sections are packed in (one kept between calls is warm in the CPU's
+        caches; without it a fresh one is allocated and zeroed)."""
+        total = self.section_bytes + self._write_bytes
         if total > STAGING_BYTES:
+            items = [(array, inputs, offset) for array, offset in self._sections] + self._writes
             self._through_staging(items, total, device, commands, pool, spin_seconds)
         elif self._sections and self.section_bytes <= _PACK_BYTES:
-            packed = np.zeros(self.section_bytes, np.uint8)
+            # The padding between sections is never read: a lent array's may hold old bytes.
+            packed = np.zeros(self.section_bytes, np.uint8) if packing is None else packing(self.section_bytes)
             for array, offset in self._sections:
                 packed[offset : offset + array.nbytes] = array.reshape(-1).view(np.uint8)
             commands.write_buffer(inputs, 0, packed)
             for array, destination, offset in self._writes:
                 _write(commands, destination, offset, array)
         else:
-            for array, destination, offset in items:
+            for array, destination, offset in [(array, inputs, offset) for array, offset in self._sections] + self._writes:
                 _write(commands, destination, offset, array)
 
     @staticmethod

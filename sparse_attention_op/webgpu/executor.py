@@ -323,11 +323,16 @@ class WebGPUExecutor:
         if not reuse:
             return np.empty(shape, dtype)
         key = (name, threading.get_ident())
-        size = int(np.prod(shape))
+        size = math.prod(shape)  # plain ints: np.prod costs a decode step microseconds
         array = self._host_arrays.get(key)
         if array is None or array.size < size:
             array = self._host_arrays[key] = np.empty(size, dtype)
         return array[:size].reshape(shape)
+
+    def _packing(self, nbytes: int) -> np.ndarray:
+        """The host array a call's small inputs are packed in before their one write (kept
+        per thread: a fresh one is allocated and zeroed every call)."""
+        return self._host_array("packed_inputs", (nbytes,), True, np.uint8)
 
     def _execute(self, call: SparseAttentionCall, state: NodeState, plan: BlockPlan, dtype, settings: ExecutionSettings,
                  dispatch: DispatchFacts, reuse_host_arrays: bool = False) -> CallResult:
@@ -413,7 +418,7 @@ class WebGPUExecutor:
         ticks = None
         commands = recording.begin(device, timed)
         try:
-            upload.encode(device, commands, self._scratch, inputs, self.tuning.map_spin_seconds)
+            upload.encode(device, commands, self._scratch, inputs, self.tuning.map_spin_seconds, self._packing)
             if timed:
                 if settings.profile_whole_pass:
                     passes, labels = [launches], ["pass"]
@@ -438,7 +443,7 @@ class WebGPUExecutor:
         tick = time.perf_counter()
         download.read()
         phases["wait_read"] = time.perf_counter() - tick
-        if probe_flags is not None and probe_flags.any():
+        if probe_flags is not None and np.count_nonzero(probe_flags):
             # A probed row differs from the cache: this output used a stale cache. The call
             # again, the history compared in full (its own rows land in the cache again).
             again = self._execute(dataclasses.replace(call, probe_chunks=None), state, plan, dtype, settings, dispatch, reuse_host_arrays)
@@ -463,7 +468,9 @@ class WebGPUExecutor:
     def _launches(self, state: NodeState, shape: CallShape, dispatch_key: tuple, cache_format, resources: dict, probe_slots: int = 0) -> list[Launch]:
         """The call's launches: the node's last ones when nothing they depend on changed.
         With ``probe_slots`` the GPU's fast check (kernels.probe_compare) comes first."""
-        key = (dispatch_key, cache_format, probe_slots, tuple(sorted((name, r.key()) for name, r in resources.items())))
+        # Resources are added in an order fixed by the call's path, so the same path gives
+        # the same key without sorting (a path that adds them otherwise only misses the cache).
+        key = (dispatch_key, cache_format, probe_slots, tuple(resources.items()))
         if state.launch_plan is not None and state.launch_plan.key == key:
             return state.launch_plan.launches
         dispatches = kernels.call_dispatches(shape, self.tuning, cache_format, resources)
