@@ -528,6 +528,19 @@ def test_uploads_through_the_staging_buffer(executor, rng, monkeypatch, kv_check
     generation.step()
 
 
+@pytest.mark.parametrize("kv_check", MODES)
+def test_no_kernel_reads_the_padding_between_input_sections(executor, rng, monkeypatch, kv_check):
+    # A call's small inputs are packed into a host array kept between calls, so the padding
+    # between its sections holds whatever an earlier call left there. Lend one of all-ones
+    # bytes instead (NaN as float32, 2**32 - 1 as an index or length): a kernel that read past
+    # a section would spoil an output, or set a fast check's flag for a past that agrees.
+    monkeypatch.setattr(executor, "_packing", lambda nbytes: np.full(nbytes, 0xFF, np.uint8))
+    generation = Generation(new_session(rng, kv_check), rng, "shared")
+    for _ in range(4):
+        stats = generation.step()
+        assert not stats.probes_differed, "the pasts agree with the cache: no probe may differ"
+
+
 # -- the record's fast paths against its general ones (pure host code) -------------------------
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("head_size, itemsize", [(128, 4), (16, 2), (64, 4)])

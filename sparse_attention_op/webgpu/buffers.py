@@ -141,7 +141,9 @@ class Upload:
             items = [(array, inputs, offset) for array, offset in self._sections] + self._writes
             self._through_staging(items, total, device, commands, pool, spin_seconds)
         elif self._sections and self.section_bytes <= _PACK_BYTES:
-            # The padding between sections is never read: a lent array's may hold old bytes.
+            # The padding between sections is never read (a test lends an array of all-ones
+            # bytes to prove it), so a lent array's may hold old bytes. Sections hold 4-byte
+            # elements (spec.py), so no section ends inside a word of padding.
             packed = np.zeros(self.section_bytes, np.uint8) if packing is None else packing(self.section_bytes)
             for array, offset in self._sections:
                 packed[offset : offset + array.nbytes] = array.reshape(-1).view(np.uint8)
