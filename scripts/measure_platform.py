@@ -2,7 +2,7 @@
 """Measure the platform facts the design rests on (docs/design.md sections 2 and 3).
 
     python scripts/measure_platform.py                 # everything, a few seconds
-    python scripts/measure_platform.py --only wgpu     # one group: wgpu, ort, bridge, digest
+    python scripts/measure_platform.py --only wgpu     # one group: wgpu, cold, ort, bridge, digest
 
 Every figure is a median over repeated calls after a warm-up, printed as a markdown table
 with the machine and the command, so it can be pasted into the docs as it is.
@@ -10,6 +10,9 @@ with the machine and the command, so it can be pasted into the docs as it is.
 - wgpu: host-side cost of the wgpu-py calls one SparseAttention call makes (encoder,
   small writes, mapping for write and for read, with and without wgpu-py's extra submit,
   waiting on the calling thread or on wgpu-py's poll thread).
+- cold: the executor's own recording of a decode call (a 173 KB input write, four dispatches,
+  a copy, one submit, a map for read), back to back and with 4 or 64 MB of other memory read
+  between calls: inside a decode step the caches are cold, and every call pays for it.
 - ort: the native ONNX Runtime nodes that build the presents and pass history rows
   (Slice, Gather, ScatterND in place through IO binding and with a fresh output).
 - bridge: one call of a PyOp with small inputs (the onnxruntime-extensions round trip).
@@ -149,6 +152,53 @@ def measure_wgpu() -> None:
     row("32 MiB queue.write_buffer", seconds * 1e6, f"{big.nbytes / seconds / 1e9:.1f} GB/s")
 
 
+def measure_cold(reps: int = 250) -> None:
+    import wgpu
+
+    from sparse_attention_op.webgpu import recording
+    from sparse_attention_op.webgpu.executor import Launch, get_executor
+    from sparse_attention_op.webgpu.mapping import mapped
+
+    executor = get_executor()
+    context, spin = executor.context, executor.tuning.map_spin_seconds  # the executor's device and its wait
+    device, usage = context.device, wgpu.BufferUsage
+    module = device.create_shader_module(code="""
+@group(0) @binding(0) var<storage, read> source: array<f32>;
+@group(0) @binding(1) var<storage, read_write> result: array<f32>;
+@compute @workgroup_size(64) fn main(@builtin(global_invocation_id) id: vec3<u32>) { if (id.x == 0u) { result[0] = source[0]; } }
+""")
+    pipeline = device.create_compute_pipeline(layout="auto", compute={"module": module, "entry_point": "main"})
+    inputs = device.create_buffer(size=1 << 20, usage=usage.STORAGE | usage.COPY_DST)
+    results = device.create_buffer(size=1 << 16, usage=usage.STORAGE | usage.COPY_SRC)
+    readback = device.create_buffer(size=1 << 16, usage=usage.MAP_READ | usage.COPY_DST)
+    group = device.create_bind_group(layout=pipeline.get_bind_group_layout(0), entries=[
+        {"binding": 0, "resource": {"buffer": inputs}}, {"binding": 1, "resource": {"buffer": results}}])
+    launches = [Launch("dispatch", pipeline, group, (1, 1, 1))] * 4
+    packed = np.zeros(173056, np.uint8)  # a fast decode step's inputs at the Phi-3-small shape, probe rows included
+    print(f"\n### A decode call's recording on {context.description}, warm and cold (us, median of {reps})\n")
+    print("| between calls | record | finish + submit | wait + read |\n|---|---|---|---|")
+    for evict_mb in (0, 4, 64):
+        other = np.ones(max(evict_mb, 1) << 20, np.uint8)
+        spans = []
+        for _ in range(reps + 20):
+            if evict_mb:
+                other.sum()  # what a decode step's other work does to the CPU's caches
+            start = time.perf_counter()
+            commands = recording.begin(device, False)
+            commands.write_buffer(inputs, 0, packed)
+            commands.compute_pass(launches)
+            commands.copy_buffer_to_buffer(results, 0, readback, 0, 16384)
+            recorded = time.perf_counter()
+            commands.submit()
+            commands.release()
+            submitted = time.perf_counter()
+            with mapped(device, readback, False, 0, 16384, spin):
+                pass
+            spans.append((recorded - start, submitted - recorded, time.perf_counter() - submitted))
+        medians = [statistics.median(s[i] for s in spans[20:]) * 1e6 for i in range(3)]
+        print(f"| {f'{evict_mb} MB read' if evict_mb else 'nothing'} | {medians[0]:.1f} | {medians[1]:.1f} | {medians[2]:.1f} |", flush=True)
+
+
 def _session(nodes, inputs, outputs, initializers=()):
     import onnxruntime as ort
     from onnx import helper
@@ -243,13 +293,15 @@ def measure_digest() -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", choices=["wgpu", "ort", "bridge", "digest"], nargs="*")
+    parser.add_argument("--only", choices=["wgpu", "cold", "ort", "bridge", "digest"], nargs="*")
     parser.add_argument("--capacities", type=positive, nargs="*", default=[8192, 131072])
     args = parser.parse_args()
-    groups = args.only or ["wgpu", "ort", "bridge", "digest"]
+    groups = args.only or ["wgpu", "cold", "ort", "bridge", "digest"]
     print(f"# {' '.join(sys.argv)}\n# {platform.node()} ({os.cpu_count()} CPUs), numpy {np.__version__}")
     if "wgpu" in groups:
         measure_wgpu()
+    if "cold" in groups:
+        measure_cold()
     if "ort" in groups:
         measure_ort(args.capacities)
     if "bridge" in groups:
