@@ -138,8 +138,7 @@ class Upload:
         caches; without it a fresh one is allocated and zeroed)."""
         total = self.section_bytes + self._write_bytes
         if total > STAGING_BYTES:
-            items = [(array, inputs, offset) for array, offset in self._sections] + self._writes
-            self._through_staging(items, total, device, commands, pool, spin_seconds)
+            self._through_staging(self._items(inputs), total, device, commands, pool, spin_seconds)
         elif self._sections and self.section_bytes <= _PACK_BYTES:
             # The padding between sections is never read (a test lends an array of all-ones
             # bytes to prove it), so a lent array's may hold old bytes. Sections hold 4-byte
@@ -151,8 +150,12 @@ class Upload:
             for array, destination, offset in self._writes:
                 _write(commands, destination, offset, array)
         else:
-            for array, destination, offset in [(array, inputs, offset) for array, offset in self._sections] + self._writes:
+            for array, destination, offset in self._items(inputs):
                 _write(commands, destination, offset, array)
+
+    def _items(self, inputs) -> list[tuple[np.ndarray, object, int]]:
+        """Every section (into ``inputs``) and every write, as (array, buffer, offset)."""
+        return [(array, inputs, offset) for array, offset in self._sections] + self._writes
 
     @staticmethod
     def _through_staging(items, total: int, device, commands, pool: BufferPool, spin_seconds: float) -> None:

@@ -93,9 +93,9 @@ class Program:
 class BufferRange(NamedTuple):
     """What one binding binds: a GPU buffer, or a 256-byte aligned range of one.
 
-    A tuple, so that its equality is its identity as a key (the buffer object itself: a key
-    holding it keeps it alive, so a new buffer can never take a cached key's place, offset
-    and size), and cheap to make: a call builds about fifteen."""
+    A tuple: cheap to make (a call builds about fifteen) and a cache key as it is: its
+    buffer compares by identity (a key holding it keeps it alive, so a new buffer can never
+    take a cached one's place), its offset and size by value."""
 
     buffer: object
     offset: int = 0
