@@ -4,6 +4,7 @@
     python scripts/bench_decode.py                      # the acceptance cases (H200: ~3 minutes)
     python scripts/bench_decode.py --quick              # small capacities (lavapipe)
     python scripts/bench_decode.py --soak 10000         # plus a soak: memory must stay flat
+    python scripts/bench_decode.py --rounds 3           # every case three times, interleaved
 
 One SparseAttention node at the Phi-3-small shape (32 heads over 8 kv heads, head size 128,
 64-token blocks, 16 local blocks, vertical stride 8, 32 layouts, rotary), batch 1, float32.
@@ -20,7 +21,10 @@ from a second session over the same past, medians over at most 10 steps: timesta
 pass per dispatch and host work, so the timed steps run without them, as a user's do);
 ORT's CPU kernel on the same shapes and history with shared buffers (``--no-ort`` skips
 it); the Identity floor (ORT passing the two cache tensors through Identity, plain run).
-A prefill case reports ``run`` minus the GPU time. The node's host record is reported
+With ``--rounds N`` the cases run N times in turn (GPU times in the first round only) and a
+last table gives per case the median over the rounds, each ratio taken within its round:
+the host's speed drifts between processes and over minutes (BENCHMARKS.md), and a ratio to
+ORT measured in the same round moves with it. A prefill case reports ``run`` minus the GPU time. The node's host record is reported
 against the cache's bytes. Where NVML is found (NVIDIA GPUs), the GPU's SM clock is read
 after each timed step and each timestamped one (medians: "SM MHz (run / GPU)"): GPU times
 in a decode loop are taken at whatever clock the loop leaves the GPU in
@@ -183,7 +187,8 @@ def gpu_seconds(model, kv_check: str, capacity: int, history: int, way: str, ste
     return times, clocks
 
 
-def run_case(kv_check: str, way: str, capacity: int, history: int, args, rng, clock: SmClock) -> Row:
+def run_case(kv_check: str, way: str, capacity: int, history: int, args, rng, clock: SmClock, profile: bool = True) -> Row:
+    """One case's row; its GPU times too unless ``profile`` (or ``--no-profile``) says not."""
     model = model_for(capacity, rng)
     session = sao.create_session(model, kv_check=kv_check)
     decoder = Decoder(session, capacity, history, way, rng)
@@ -200,7 +205,7 @@ def run_case(kv_check: str, way: str, capacity: int, history: int, args, rng, cl
     record_bytes = executor.node_state(key).cache.record.nbytes
     cache_bytes = 2 * decoder.past[0].nbytes
     decoder.session = session = None  # one resident cache at a time (the timestamped session's next)
-    gpus, gpu_clocks = gpu_seconds(model, kv_check, capacity, history, way, min(args.steps, 10), rng, decoder.past, clock) if args.profile else ([], [])
+    gpus, gpu_clocks = gpu_seconds(model, kv_check, capacity, history, way, min(args.steps, 10), rng, decoder.past, clock) if profile and args.profile else ([], [])
     ort_ms = ort_cpu_decode(model, capacity, history, args.steps, rng) * 1e3 if args.ort else None
     identity_ms = None
     if way == "plain":
@@ -241,6 +246,29 @@ def prefill_case(kv_check: str, length: int, args, rng, clock: SmClock) -> dict:
                 sm_mhz_run=median_mhz(clocks[False][1:]), sm_mhz_gpu=median_mhz(clocks[True][1:]))
 
 
+def print_round_medians(rounds: list[list[Row]]) -> None:
+    """Per case, the median over the rounds of each time and of each ratio (a round's ratio
+    compares figures of that round), with the least and most ``run`` over the rounds."""
+    def ms(values):
+        present = [v for v in values if v is not None]
+        return f"{statistics.median(present):.3f}" if present else "-"
+
+    def ratio(rows, anchor):
+        present = [row.run_ms / getattr(row, anchor) for row in rows if getattr(row, anchor) is not None]
+        return f"{statistics.median(present):.2f}x" if present else "-"
+
+    print(f"\nmedians over {len(rounds)} rounds\n")
+    header = ["kv_check", "way", "capacity", "history", "run ms", "run ms (least - most)", "op host ms", "GPU ms", "ORT CPU ms", "Identity ms",
+              "run / ORT CPU", "run / Identity"]
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for rows in zip(*rounds):
+        first = rows[0]
+        runs = [row.run_ms for row in rows]
+        print("| " + " | ".join([first.kv_check, first.way, str(first.capacity), str(first.history), ms(runs), f"{min(runs):.3f} - {max(runs):.3f}",
+                                 ms(row.op_host_ms for row in rows), ms(row.gpu_ms for row in rows), ms(row.ort_cpu_ms for row in rows),
+                                 ms(row.identity_ms for row in rows), ratio(rows, "ort_cpu_ms"), ratio(rows, "identity_ms")]) + " |", flush=True)
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as handle:
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -272,6 +300,7 @@ def main() -> int:
     parser.add_argument("--prefill", type=int, nargs="*", default=None, help="prompt lengths for the prefill overhead case (default 8192; --quick 1024)")
     parser.add_argument("--only", type=str, default=None, help="run only cases whose 'kv_check/way/capacity/history' contains this text")
     parser.add_argument("--soak", type=int, default=0, help="decode calls of the soak (0: none)")
+    parser.add_argument("--rounds", type=positive, default=1, help="run every case this many times in turn, then print medians over the rounds")
     parser.add_argument("--json", type=str, default=None)
     args = parser.parse_args()
     cases = [case for case in (QUICK if args.quick else ACCEPTANCE) if not args.only or args.only in "/".join(map(str, case))]
@@ -292,12 +321,20 @@ def main() -> int:
     if not clock.available:
         machine += " (no NVML: SM clocks not read)"
     print(f"# {' '.join(sys.argv)}\n# {machine}\n")
-    print("| " + " | ".join(HEADER) + " |\n|" + "---|" * len(HEADER), flush=True)
-    rows = []
-    for case in cases:
-        row = run_case(*case, args, rng, clock)
-        rows.append(row)
-        print("| " + " | ".join(row.cells()) + " |", flush=True)
+    rounds = []
+    for round_index in range(args.rounds):
+        if args.rounds > 1:
+            print(f"\nround {round_index + 1} of {args.rounds}\n")
+        print("| " + " | ".join(HEADER) + " |\n|" + "---|" * len(HEADER), flush=True)
+        measured = []
+        for case in cases:
+            # The GPU's times do not drift with the host's: the first round's serve.
+            row = run_case(*case, args, rng, clock, profile=round_index == 0)
+            measured.append(row)
+            print("| " + " | ".join(row.cells()) + " |", flush=True)
+        rounds.append(measured)
+    if args.rounds > 1:
+        print_round_medians(rounds)
     prefills = []
     for length in args.prefill if args.prefill is not None else ([1024] if args.quick else [8192]):
         prefills.append(prefill_case("fast", length, args, rng, clock))
@@ -309,7 +346,8 @@ def main() -> int:
         print("\n" + soak(args.soak, 1024 if args.quick else 8192, rng), flush=True)
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"command": " ".join(sys.argv), "machine": machine, "decode": [asdict(r) for r in rows], "prefill": prefills}, handle, indent=2)
+            decode = [dict(asdict(row), round=index + 1) for index, measured in enumerate(rounds) for row in measured]
+            json.dump({"command": " ".join(sys.argv), "machine": machine, "decode": decode, "prefill": prefills}, handle, indent=2)
     return 0
 
 
