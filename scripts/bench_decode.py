@@ -24,8 +24,8 @@ it); the Identity floor (ORT passing the two cache tensors through Identity, pla
 With ``--rounds N`` the cases run N times in turn (GPU times in the first round only) and a
 last table gives per case the median over the rounds, each ratio taken within its round:
 the host's speed drifts between processes and over minutes (BENCHMARKS.md), and a ratio to
-ORT measured in the same round moves with it. A prefill case reports ``run`` minus the GPU time. The node's host record is reported
-against the cache's bytes. Where NVML is found (NVIDIA GPUs), the GPU's SM clock is read
+ORT measured in the same round moves with it. A prefill case reports ``run`` minus the GPU
+time. The node's host record is reported against the cache's bytes. Where NVML is found (NVIDIA GPUs), the GPU's SM clock is read
 after each timed step and each timestamped one (medians: "SM MHz (run / GPU)"): GPU times
 in a decode loop are taken at whatever clock the loop leaves the GPU in
 (sparse_attention_op/benchmarking/clocks.py).
