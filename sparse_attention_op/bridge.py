@@ -42,7 +42,6 @@ Facts about the bridge that shape this module (measured, docs/design.md):
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from dataclasses import dataclass
@@ -51,7 +50,7 @@ import numpy as np
 from onnxruntime_extensions import PyCustomOpDef, onnx_op
 
 from . import _ortx_compat, host_memory
-from .cache_record import probe_chunks, probe_row_indices
+from .cache_record import chunk_rows_for, model_itemsize, probe_chunks, probe_row_indices
 from .presents import scatter_indices
 from .spec import SHAPED_INPUTS, CallShape, OpAttributes, ShapeFacts, SparseAttentionError, assemble_call, describe_lengths, describe_shapes
 
@@ -369,12 +368,6 @@ def _settings(info: NodeInfo):
     return settings
 
 
-@functools.lru_cache(maxsize=256)
-def _chunk_rows(info: NodeInfo, head_size: int) -> int:
-    """Rows per digest chunk of the node's record: fixed by head size and the model's dtype."""
-    return _executor().chunk_rows_for(head_size, info.float16_storage)
-
-
 # -- the ops ------------------------------------------------------------------------------
 def plan_op(*inputs, **attributes):
     """Shapes and lengths -> probe row indices, the new tokens' rotary rows, how many layouts cross,
@@ -391,7 +384,7 @@ def plan_op(*inputs, **attributes):
     pasts = None if shape.is_prompt else _readable_pasts(info, shape)
     probes, rows = None, _NO_ROWS
     if info.kv_check == "fast" and not shape.is_prompt:
-        chunk_rows = _chunk_rows(info, shape.head_size)
+        chunk_rows = chunk_rows_for(shape.head_size, model_itemsize(info.float16_storage))  # the node's record's (cache_record.py)
         chunks = probe_chunks(shape.past_lengths, chunk_rows, shape.total_sequence_length)
         if pasts is None:  # the probe rows cross to the check op
             rows = probe_row_indices(chunks, chunk_rows, shape.attributes.kv_num_heads, shape.max_cache_len)

@@ -58,6 +58,12 @@ def chunk_rows_for(head_size: int, cache_itemsize: int) -> int:
     return max(1, math.ceil(DIGEST_BYTES / (RECORD_FRACTION * head_size * cache_itemsize)))
 
 
+def model_itemsize(float16_storage: bool) -> int:
+    """Bytes per element of a node's cache in the model: what its record's 1% is of, whatever
+    dtype the GPU keeps (a float16 model's cache may be f32 there)."""
+    return 2 if float16_storage else 4
+
+
 def _multipliers(count: int) -> np.ndarray:
     """Fixed odd 64-bit multipliers, one per word position (the same in every process)."""
     rng = np.random.default_rng(0x5A0C)
@@ -331,15 +337,20 @@ class CacheRecord:
             self._reserve(max(end_rows, default=0))
             self._append_one_row(np.asarray(past_lengths, np.int64), new_key, new_value)
             return
-        for b, past in enumerate(past_lengths):
-            assert self.valid[b] == past, "the record must describe the call's past before rows are appended"
+        self._assert_describes(past_lengths)
         self._add_rows(past_lengths, end_rows, new_key, new_value)
         self.valid[:] = end_rows
+
+    def _assert_describes(self, past_lengths) -> None:
+        """append()'s precondition: the record holds exactly each batch row's past (unlike
+        holds_lengths, a row starting afresh must have been reset to 0 first)."""
+        assert len(past_lengths) == len(self.valid) and all(int(held) == past for held, past in zip(self.valid, past_lengths)), \
+            "the record must describe the call's past before rows are appended"
 
     def _keep_back(self, past: tuple[int, ...], new_key: np.ndarray, new_value: np.ndarray) -> None:
         """append() of a decode step, its rows kept for a later flush(). Plain ints where it
         can: a decode step calls this once per node."""
-        assert all(int(v) == p for v, p in zip(self.valid, past)), "the record must describe the call's past before rows are appended"
+        self._assert_describes(past)
         count = self._pending_rows
         if count and (count == self._pending_capacity or any(p != first + count for p, first in zip(past, self._pending_from))):
             self.flush()
@@ -373,7 +384,7 @@ class CacheRecord:
         value digested together (a decode step calls this once per node: few numpy calls).
         Batch 1 has a path of its own: 15.6 us against 22.2 us through the general one
         (8 kv heads, head size 128, 2-core VM)."""
-        assert np.array_equal(self.valid, past), "the record must describe the call's past before rows are appended"
+        self._assert_describes(past)
         c, wpr = self.chunk_rows, self.digests.words_per_row
         words = np.stack((new_key[:, :, 0], new_value[:, :, 0])).astype(np.float32, copy=False).view(np.uint64)  # (2, batch, heads, wpr)
         if self.batch == 1:

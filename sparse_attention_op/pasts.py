@@ -57,18 +57,18 @@ def past_views(past_inputs: PastInputs, feeds: Mapping[str, object]) -> dict[str
     return views
 
 
-def contiguous_pasts(past_inputs: PastInputs, feeds: dict) -> dict:
-    """``feeds``, with every numpy past of the node's type that is not C-contiguous replaced
-    by a C-contiguous copy (the caller's dict is left alone). ORT would make that copy
-    itself, where no view could see it; made here, the copy is what ORT reads, so it is read
-    in place like any other past."""
-    types = _past_types(past_inputs)
-    copies = {name: np.ascontiguousarray(feeds[name]) for name in types if _strided(feeds.get(name), types[name])}
+def contiguous_pasts(past_types: Mapping[str, np.dtype], feeds: dict) -> dict:
+    """``feeds``, with every numpy past of its node's type (``past_types``: see
+    :func:`past_types`) that is not C-contiguous replaced by a C-contiguous copy (the
+    caller's dict is left alone). ORT would make that copy itself, where no view could see
+    it; made here, the copy is what ORT reads, so it is read in place like any other past."""
+    copies = {name: np.ascontiguousarray(feeds[name]) for name, dtype in past_types.items() if _strided(feeds.get(name), dtype)}
     return {**feeds, **copies} if copies else feeds
 
 
-def _past_types(past_inputs: PastInputs) -> dict[str, np.dtype]:
-    """Graph input name -> element type, for every past the nodes could read in place."""
+def past_types(past_inputs: PastInputs) -> dict[str, np.dtype]:
+    """Graph input name -> element type, for every past the nodes could read in place (a
+    session works it out once)."""
     return {name: dtype for key_name, value_name, dtype in past_inputs.values() for name in (key_name, value_name)}
 
 
@@ -96,10 +96,10 @@ class RecordingIOBinding(ort.IOBinding):
     nodes their bound pasts (ORT's IOBinding does not say what it holds). A numpy past that
     is not C-contiguous is bound as a C-contiguous copy, as ``run`` does (contiguous_pasts)."""
 
-    def __init__(self, session, past_inputs: PastInputs):
+    def __init__(self, session, past_types: Mapping[str, np.dtype]):
         super().__init__(session)
         self.bound_inputs: dict[str, object] = {}
-        self._past_types = _past_types(past_inputs)
+        self._past_types = past_types
 
     def bind_cpu_input(self, name, arr_on_cpu):
         if name in self._past_types and _strided(arr_on_cpu, self._past_types[name]):

@@ -11,7 +11,7 @@ from onnxruntime_extensions import get_library_path
 
 from .bridge import records, register, require_kv_check
 from .model import ModelLike, prepare_for_session
-from .pasts import PastInputs, RecordingIOBinding, contiguous_pasts, past_views
+from .pasts import PastInputs, RecordingIOBinding, contiguous_pasts, past_types, past_views
 from .spec import SparseAttentionError
 
 #: Marks SessionOptions that already carry the extensions library: registering it twice on
@@ -87,6 +87,7 @@ class SparseAttentionSession(ort.InferenceSession):
         self.kv_check = kv_check
         self.settings = settings
         self._past_inputs = dict(past_inputs)
+        self._past_types = past_types(self._past_inputs)  # what run and io_binding() make C-contiguous
         self._finalizer = weakref.finalize(self, _close_session, token)
         self._local = threading.local()
         super().__init__(model_bytes, sess_options=sess_options, providers=providers)
@@ -101,7 +102,7 @@ class SparseAttentionSession(ort.InferenceSession):
     def io_binding(self) -> RecordingIOBinding:
         """An IOBinding (onnxruntime's own, which also notes what each input is bound to, so
         that the nodes read bound pasts in place: see :mod:`sparse_attention_op.pasts`)."""
-        return RecordingIOBinding(self, self._past_inputs)
+        return RecordingIOBinding(self, self._past_types)
 
     def _checked(self, method, feeds, *args):
         """``method(*args)`` with the errors refused inside nodes raised, and the pasts among
@@ -128,7 +129,7 @@ class SparseAttentionSession(ort.InferenceSession):
 
     def run(self, output_names, input_feed, run_options=None):
         if isinstance(input_feed, dict) and self._past_inputs:
-            input_feed = contiguous_pasts(self._past_inputs, input_feed)
+            input_feed = contiguous_pasts(self._past_types, input_feed)
         feeds = input_feed if isinstance(input_feed, dict) else None
         return self._checked(super().run, feeds, output_names, input_feed, run_options or _QUIET_RUN)
 

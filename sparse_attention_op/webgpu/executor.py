@@ -14,7 +14,7 @@ row differs, its output is dropped and the call runs again after the exact check
 State lives per node and per calling thread (:class:`NodeState`): the resident KV cache
 and the record of what it holds, the layout buffer, cached bind groups. Per thread,
 because a call is two or three ops (plan, the fast check's op where the graph has one, the
-attention op) that must see the same state, and ONNX Runtime runs both on the thread that called ``run``. All GPU
+attention op) that must see the same state, and ONNX Runtime runs them all on the thread that called ``run``. All GPU
 work of the process goes through one lock: the device and queue are one resource.
 """
 
@@ -32,7 +32,7 @@ import numpy as np
 import wgpu
 
 from ..block_plan import BlockPlan, BlockPlanCache
-from ..cache_record import probe_slots
+from ..cache_record import model_itemsize, probe_slots
 from ..spec import CallShape, SparseAttentionCall, SparseAttentionError
 from . import kernels, recording
 from .buffers import STORAGE_IN, STORAGE_OUT, UNIFORM, BufferPool, Download, GpuBufferError, Upload, aligned
@@ -176,14 +176,6 @@ class WebGPUExecutor:
                 return False
             return state.cache.record.probes_agree(shape.past_lengths, probes, probe_key, probe_value)
 
-    @staticmethod
-    def chunk_rows_for(head_size: int, float16_storage: bool = False) -> int:
-        """Rows per digest chunk of a node's record: fixed by the head size and the model's
-        element size (the 1% bound is of the model's cache, whatever dtype the GPU keeps)."""
-        from ..cache_record import chunk_rows_for
-
-        return chunk_rows_for(head_size, _model_itemsize(float16_storage))
-
     def run(self, call: SparseAttentionCall, node_key: str = "default", settings: ExecutionSettings = ExecutionSettings(),
             *, reuse_host_arrays: bool = False) -> CallResult:
         """Execute one call: the output, and the rotated new key rows when rotary is on.
@@ -280,7 +272,7 @@ class WebGPUExecutor:
                 state.release()
             device = self.context.device
             cache = ResidentCache(device, shape.batch_size, shape.attributes.kv_num_heads, shape.head_size, shape.max_cache_len, dtype,
-                                  self.context.max_binding_bytes, record_itemsize=_model_itemsize(float16_storage))
+                                  self.context.max_binding_bytes, record_itemsize=model_itemsize(float16_storage))
             state = self._states[state_key] = NodeState(cache, BufferPool(device, self.context.max_binding_bytes))
         return state
 
@@ -511,11 +503,6 @@ _executor = ProcessWide(WebGPUExecutor)
 def get_executor() -> WebGPUExecutor:
     """The process-wide executor on the process-wide device."""
     return _executor.get()
-
-
-def _model_itemsize(float16_storage: bool) -> int:
-    """Bytes per element of the node's cache in the model (float16 or float32)."""
-    return 2 if float16_storage else 4
 
 
 def _probe_rows(call: SparseAttentionCall, chunk_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

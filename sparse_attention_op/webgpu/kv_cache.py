@@ -25,13 +25,14 @@ class ResidentCache:
     values are all float16 values (float16-storage nodes), where it loses nothing."""
 
     def __init__(self, device, batch: int, kv_heads: int, head_size: int, max_rows: int, dtype=np.float32, max_binding_bytes: int = 2**31,
-                 record_itemsize: int | None = None):
+                 *, record_itemsize: int):
         self.device = device
         self.max_binding_bytes = max_binding_bytes
         self.batch, self.kv_heads, self.head_size, self.max_rows = batch, kv_heads, head_size, max_rows
         self.dtype = np.dtype(dtype)
-        # The record's 1% is of the model's cache: float16 models may keep an f32 GPU cache.
-        self.record = CacheRecord(batch, kv_heads, head_size, record_itemsize or self.dtype.itemsize, max_rows)
+        # The record's 1% is of the model's cache (``record_itemsize``, cache_record.model_itemsize):
+        # float16 models may keep an f32 GPU cache.
+        self.record = CacheRecord(batch, kv_heads, head_size, record_itemsize, max_rows)
         self.rows = 0
         self.key = self.value = None
 
