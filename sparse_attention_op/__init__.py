@@ -4,9 +4,9 @@
     sess = sao.create_session("model.onnx")   # an onnxruntime.InferenceSession
     outputs = sess.run(None, feeds)
 
-Data flows one way: ORT -> bridge (PyOps, small tensors only) -> spec (one validated call)
--> WebGPU executor -> outputs; native ORT nodes place the new rows in the presents. The
-bridge never touches the GPU and the executor never parses ONNX.
+Data flows one way: ORT -> bridge (a custom op handed ORT's own tensors, no copy) -> spec
+(one validated call) -> WebGPU executor -> outputs, written into ORT's buffers. The bridge
+never touches the GPU and the executor never parses ONNX.
 """
 
 from .bridge import register

@@ -1,20 +1,22 @@
-"""The private onnxruntime-extensions API the bridge relies on, checked in one place.
+"""What the bridge relies on in onnxruntime-extensions, checked in one place.
 
-The array output path needs three things the package does not document: the invocation
-hook setter (``PyCustomOpDef.install_hooker``), the stock dispatcher it replaces
-(``_ocos._on_pyop_invocation``, which keeps serving every other PyOp) and the id an
-``onnx_op`` registers under (``Opdef._id``). They are stable across the tested releases
-(pyproject.toml bounds the dependency to them); outside those, :func:`check_version` fails
-with a message that says so, rather than the bridge failing somewhere inside a session.
+The bridge's op is added to the library's own list of ops through ``AddExternalCustomOp``,
+a C function the library exports (custom_op.py). Its ``RegisterCustomOps`` adds those ops to
+the ``ai.onnx.contrib`` domain of every session that registers the library, after its own;
+an added op whose name one of the library's Python ops also has would make that loop spin
+forever (read in 0.15's ``ops_registry.cc``), so the bridge's names are its own. The
+releases tested are bounded in pyproject.toml; outside them :func:`library` fails with a
+message that says so, rather than the bridge failing somewhere inside a session.
 """
 
 from __future__ import annotations
 
+import ctypes
 from importlib import metadata
 
-from onnxruntime_extensions import PyCustomOpDef, _ocos
+from onnxruntime_extensions import get_library_path
 
-#: Releases the bridge was tested with (the C++ side of 0.15.2 was read for the copy path).
+#: Releases the bridge was tested with.
 TESTED = ((0, 15),)
 
 
@@ -27,25 +29,18 @@ def _version() -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(".")[:2] if part.isdigit())
 
 
-def check_version() -> None:
+def library() -> ctypes.CDLL:
+    """The loaded onnxruntime-extensions library (the very copy sessions register: the
+    dynamic loader hands out one copy per file), checked to be a tested release that
+    exports ``AddExternalCustomOp``."""
     version = _version()
-    missing = [name for name, present in (
-        ("PyCustomOpDef.install_hooker", hasattr(PyCustomOpDef, "install_hooker")),
-        ("_ocos._on_pyop_invocation", hasattr(_ocos, "_on_pyop_invocation")),
-    ) if not present]
-    if version[:2] not in TESTED or missing:
+    handle = ctypes.CDLL(get_library_path())
+    exported = hasattr(handle, "AddExternalCustomOp")
+    if version[:2] not in TESTED or not exported:
         tested = ", ".join(".".join(map(str, v)) + ".x" for v in TESTED)
-        detail = f"; missing {', '.join(missing)}" if missing else ""
+        detail = "" if exported else "; it does not export AddExternalCustomOp"
         raise UnsupportedExtensionsError(
-            f"onnxruntime-extensions {'.'.join(map(str, version))} is not supported (tested: {tested}{detail}): "
-            "the bridge uses its PyOp invocation hook. Install a tested release: pip install 'onnxruntime-extensions>=0.15,<0.16'"
+            f"onnxruntime-extensions {'.'.join(map(str, version))} is not supported (tested: {tested}{detail}). "
+            "Install a tested release: pip install 'onnxruntime-extensions>=0.15,<0.16'"
         )
-
-
-def stock_invocation(k_id, feed, attributes):
-    """The package's own dispatcher, for PyOps that are not ours."""
-    return _ocos._on_pyop_invocation(k_id, feed, attributes)
-
-
-def install_invocation_hook(hook) -> None:
-    PyCustomOpDef.install_hooker(hook)
+    return handle

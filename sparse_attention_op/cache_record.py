@@ -18,15 +18,15 @@ itself spends on them, so the record never exceeds 1% of the cache.
 
 Two checks use it (``kv_check`` of :func:`~sparse_attention_op.create_session`):
 
-* exact: every history row crosses the bridge and is digested; only chunks whose digest
-  differs (or that the GPU never held) are uploaded. Cost follows the history.
-* fast: only probe chunks cross: the chunks holding each sequence's last rows and a few
-  spread over its history (their positions move from call to call). If the lengths or any
-  probe disagree, the call falls back to the exact check. Cost is constant. It misses a
-  change confined to rows it did not probe (an edit in the middle of a history that leaves
-  the last rows and the probed chunks alone). Where the caller's pasts are read in place,
-  the GPU compares the probe rows with its cache instead of their digests with the record
-  (webgpu/executor.py, probe_compare.wgsl.jinja): the same probes, compared bit for bit.
+* exact: every history row is digested where the caller's past lies; only chunks whose
+  digest differs (or that the GPU never held) are uploaded. Cost follows the history.
+* fast: only probe chunks are compared: the chunks holding each sequence's last rows and a
+  few spread over its history (their positions move from call to call). The GPU compares
+  their rows, gathered from the caller's past, with its cache, bit for bit
+  (webgpu/executor.py, probe_compare.wgsl.jinja). If the lengths or any probe disagree,
+  the call runs again after the exact check. Cost is constant. It misses a change confined
+  to rows it did not probe (an edit in the middle of a history that leaves the last rows
+  and the probed chunks alone).
 """
 
 from __future__ import annotations
@@ -172,23 +172,6 @@ def _chunk_offsets(chunk_rows: int) -> np.ndarray:
     return np.arange(chunk_rows, dtype=np.int64)
 
 
-def probe_row_indices(probes: np.ndarray, chunk_rows: int, kv_heads: int, max_cache_len: int) -> np.ndarray:
-    """Flat row indices into past viewed as (batch * kv_heads * max_cache_len, head): the
-    rows of every probe chunk of every (batch row, kv head), in (batch, head, probe, row) order.
-    Rows past the cache's end (a last chunk cut short) repeat its last row; they are never digested."""
-    rows = np.minimum(probe_slots(probes, chunk_rows), max_cache_len - 1)[:, None, :]
-    return (_head_starts(probes.shape[0], kv_heads, max_cache_len) + rows).reshape(-1)
-
-
-@functools.lru_cache(maxsize=64)
-def _head_starts(batch: int, kv_heads: int, max_cache_len: int) -> np.ndarray:
-    """(batch, kv heads, 1): each (batch row, head)'s first flat row (read-only, cached:
-    a decode step asks for the same every call)."""
-    starts = ((np.arange(batch)[:, None] * kv_heads + np.arange(kv_heads)[None, :]) * max_cache_len)[:, :, None]
-    starts.flags.writeable = False
-    return starts
-
-
 @dataclass
 class SyncPlan:
     """Row spans of one tensor the GPU must receive: (batch row, kv head, first row, end row)."""
@@ -209,8 +192,6 @@ class CacheRecord:
         self.chunk_rows = self.digests.chunk_rows
         self.valid = np.zeros(batch, np.int64)
         self._set_table(np.zeros((2, batch, kv_heads, 0), np.uint64))
-        # Index arrays of every (batch row, kv head), for looking probes up in the table.
-        self._rows_heads = (np.arange(batch)[:, None, None], np.arange(kv_heads)[None, :, None])
         # Decode steps' rows not digested yet (append): as many steps as the 1% bound leaves
         # room for beside the table at its largest, or ``max_pending_rows``.
         row_bytes = 2 * batch * kv_heads * head_size * 4
@@ -256,39 +237,6 @@ class CacheRecord:
             first = self._pending_from
             self._add_rows(first, tuple(p + count for p in first), self._pending[0, :, :, :count], self._pending[1, :, :, :count])
 
-    def probes_agree(self, past_lengths: tuple[int, ...], probes: np.ndarray, probe_key: np.ndarray, probe_value: np.ndarray) -> bool:
-        """Fast check: lengths match and every probe chunk's digest matches the record.
-
-        ``probe_key``/``probe_value`` hold the rows of ``probes`` (batch, probes) chunks as
-        (batch, kv_heads, probes * chunk_rows, head), gathered from the caller's past. A
-        decode step calls this once per node, so it spends as few numpy calls as it can:
-        key and value rows are digested, looked up and compared together.
-        """
-        c = self.chunk_rows
-        if not self.holds_lengths(past_lengths):
-            return False
-        live = [b for b, past in enumerate(past_lengths) if past > 0]
-        if not live:
-            return True
-        self.flush()
-        if int(probes.max()) >= self._table.shape[3]:
-            return False
-        count = probes.shape[1]
-        rows = np.stack((probe_key, probe_value))  # (2, batch, heads, probes * c, head), ours to edit
-        # Rows at or beyond the history's end are zeroed: a zero word adds nothing to a
-        # digest, so a zero-padded chunk has the digest of its history prefix. Only the chunk
-        # a history ends inside has such rows, and only where it is probed.
-        for b in live:
-            past = past_lengths[b]
-            if past % c:
-                for p in np.flatnonzero(probes[b] == past // c):
-                    rows[:, b, :, int(p) * c + past % c : (int(p) + 1) * c] = 0
-        digests = self.digests.of_chunks(rows, count)  # (2, batch, heads, probes)
-        recorded = self._table[(slice(None),) + self._rows_heads + (probes[:, None, :],)]
-        if len(live) == len(past_lengths):
-            return bool((digests == recorded).all())
-        return bool((digests[:, live] == recorded[:, live]).all())
-
     def sync(self, past_lengths: tuple[int, ...], history_key: np.ndarray, history_value: np.ndarray) -> dict[str, SyncPlan]:
         """Exact check: compare every history row with the record; adopt the incoming past.
 
@@ -324,7 +272,7 @@ class CacheRecord:
 
         Requires ``valid[b] == past[b]`` (the check just established it). A decode step's rows
         (one per batch row, right after the previous step's) are kept back and digested
-        together when the record is next read (sync, probes_agree, chunk_digests) or when the
+        together when the record is next read (sync, chunk_digests) or when the
         room for them is full: most decode steps (GPU fast check, pasts read in place) never
         read it, and one digest of several rows costs about what one of a row does.
         """

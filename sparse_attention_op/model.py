@@ -2,7 +2,7 @@
 
 Each SparseAttention node is checked (attributes, required inputs, element types, a
 constant layout's CSR), given an identity (``<session token>/<index>:<name>``) that keys its
-GPU state, and replaced by native nodes around the bridge's ops (rewrite.py). The graph's
+GPU state, and replaced by the bridge's op (rewrite.py), which runs it on WebGPU. The graph's
 inputs and outputs keep their names, shapes, dtypes and meaning. Model-level faults raise
 :class:`~sparse_attention_op.spec.SparseAttentionError` naming the node. Other nodes are left
 alone.
@@ -11,18 +11,16 @@ alone.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import os
 import uuid
 from pathlib import Path
 from typing import Union
 
-import numpy as np
 import onnx
 from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
-from .bridge import BRIDGE_DOMAIN, BRIDGE_FORMAT, require_kv_check
-from .rewrite import NodePlan, expand, shared_initializers
+from .bridge import BRIDGE_DOMAIN, BRIDGE_FORMAT, OP_TYPES, require_kv_check
+from .rewrite import NodePlan, expand
 from .spec import DOMAIN, FLOAT_INPUTS, INPUT_NAMES, OPTIONAL_INPUTS, OP_TYPE, OpAttributes, SparseAttentionError, check_layout
 
 ModelLike = Union[str, os.PathLike, bytes, onnx.ModelProto]
@@ -56,19 +54,6 @@ def prepare_model(model: ModelLike, *, session_token: str | None = None, kv_chec
     token, so two models prepared separately never share GPU state. ``kv_check`` is the
     resident cache's check, ``"exact"`` or ``"fast"`` (see create_session).
     """
-    return _prepare(model, session_token, kv_check, pasts_in_place=False)[0]
-
-
-def prepare_for_session(model: ModelLike, *, session_token: str, kv_check: str) -> tuple[onnx.ModelProto, dict]:
-    """prepare_model for a session that reads pasts in place (create_session's, pasts.py),
-    and the nodes whose pasts it may read: node key -> (past_key input name, past_value
-    input name, element type), for the nodes of the main graph whose two pasts are graph
-    inputs. Those nodes' fast checks read their probes in place and run on the GPU
-    (rewrite.py): the model needs that session."""
-    return _prepare(model, session_token, kv_check, pasts_in_place=True)
-
-
-def _prepare(model: ModelLike, session_token: str | None, kv_check: str, pasts_in_place: bool) -> tuple[onnx.ModelProto, dict]:
     require_kv_check(kv_check)
     prepared = load_model(model)
     check_not_prepared(prepared)
@@ -76,41 +61,33 @@ def _prepare(model: ModelLike, session_token: str | None, kv_check: str, pasts_i
     main = prepared.graph
     types = tensor_types(prepared)
     constants = _constant_names(main)
-    graph_inputs = {i.name for i in main.input} - {init.name for init in main.initializer}
-    initializers, count, past_inputs = [], 0, {}
-    # Subgraph (If/Loop/Scan) bodies are rewritten in place; their new constants go to the
-    # main graph, whose initializers every body can see.
+    count = 0
+    # Subgraph (If/Loop/Scan) bodies are rewritten in place.
     for graph in [main, *_subgraphs(main)]:
-        nodes = []
-        for node in graph.node:
-            if not is_sparse_attention(node):
-                nodes.append(node)
-                continue
-            plan = _plan(node, f"{token}/{count}:{node.name}", kv_check, types, constants | _constant_names(graph), main, graph)
-            pasts = (node.input[INPUT_NAMES.index("past_key")], node.input[INPUT_NAMES.index("past_value")])
-            if graph is main and all(name in graph_inputs for name in pasts):
-                past_inputs[plan.node_key] = (*pasts, np.dtype(np.float16 if plan.float16 else np.float32))
-                plan = dataclasses.replace(plan, pasts_in_place=pasts_in_place)
-            expanded, private = expand(plan)
-            nodes.extend(expanded)
-            initializers.extend(private)
-            count += 1
-        del graph.node[:]
-        graph.node.extend(nodes)
+        for index, node in enumerate(graph.node):
+            if is_sparse_attention(node):
+                plan = _plan(node, f"{token}/{count}:{node.name}", kv_check, types, constants | _constant_names(graph), main, graph)
+                graph.node[index].CopyFrom(expand(plan))
+                count += 1
     if count:
-        present = {init.name for init in main.initializer}
-        used = {name for graph in [main, *_subgraphs(main)] for node in graph.node for name in node.input}
-        main.initializer.extend(init for init in shared_initializers() + initializers if init.name not in present and init.name in used)
         if not any(op.domain == BRIDGE_DOMAIN for op in prepared.opset_import):
             prepared.opset_import.append(helper.make_opsetid(BRIDGE_DOMAIN, 1))
         _set_metadata(prepared, FORMAT_KEY, str(BRIDGE_FORMAT))
-    return prepared, past_inputs
+    return prepared
+
+
+#: Domain of the bridge's ops in formats 1 and 2 (PyOps around native nodes).
+_FORMAT_2_DOMAIN = "ai.sparse_attention_op"
+
+
+def _is_bridge_node(node: onnx.NodeProto) -> bool:
+    return (node.domain == BRIDGE_DOMAIN and node.op_type in OP_TYPES.values()) or node.domain == _FORMAT_2_DOMAIN
 
 
 def bridge_format(model: onnx.ModelProto) -> int | None:
     """The bridge format a prepared model was written for; None for a model without the
     bridge's ops. Models prepared before the format was recorded are format 1."""
-    if not any(node.domain == BRIDGE_DOMAIN for graph in [model.graph, *_subgraphs(model.graph)] for node in graph.node):
+    if not any(_is_bridge_node(node) for graph in [model.graph, *_subgraphs(model.graph)] for node in graph.node):
         return None
     stamped = {entry.key: entry.value for entry in model.metadata_props}.get(FORMAT_KEY, "1")
     return int(stamped) if stamped.isdigit() else 0
@@ -170,7 +147,7 @@ def _plan(node, node_key: str, kv_check: str, types: dict, constants: set, *grap
     if constant_layout:
         _check_constant_layout(label, layout, graphs)
     return NodePlan(node=node, attributes=attributes, node_key=node_key, kv_check=kv_check, float16=float16,
-                    constant_layout=constant_layout, pasts_in_place=False)
+                    constant_layout=constant_layout)
 
 
 def _float_type(label: str, named: dict, types: dict) -> int:

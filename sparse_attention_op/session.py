@@ -9,9 +9,8 @@ import weakref
 import onnxruntime as ort
 from onnxruntime_extensions import get_library_path
 
-from .bridge import records, register, require_kv_check
-from .model import ModelLike, prepare_for_session
-from .pasts import PastInputs, RecordingIOBinding, contiguous_pasts, past_types, past_views
+from .bridge import forget_session, records, register, require_kv_check
+from .model import ModelLike, prepare_model
 from .spec import SparseAttentionError
 
 #: Marks SessionOptions that already carry the extensions library: registering it twice on
@@ -21,12 +20,10 @@ _REGISTERED_MARK = "sparse_attention_op.custom_ops_registered"
 
 def _close_session(token: str) -> None:
     """Finaliser of a session: forget its records, queue its nodes' GPU state for freeing (never blocks)."""
-    from .bridge import tickets
     from .webgpu import executor as executor_module
 
     try:
-        records.close(token)
-        tickets.forget(token)
+        forget_session(token)
     finally:  # whatever happens above, the GPU state is freed
         executor = executor_module._executor.peek()
         if executor is not None:
@@ -37,19 +34,18 @@ def session_options(sess_options: ort.SessionOptions | None = None) -> ort.Sessi
     """``sess_options`` (or new options) with the custom-op library registered once.
 
     Options that ask for ``ORT_PARALLEL`` execution are refused, before anything is
-    registered on them: the bridge's ops of one node must run in order on the thread that
-    called ``run`` (the cache check and the kernel share per-thread state, and a refused
-    call's error finds its way back to that ``run``). Nothing else about the options changes.
-    The bridge's ops are registered first: the library lists the PyOps defined when it is
-    added to the options.
+    registered on them: a node must run on the thread that called ``run`` (its GPU state
+    is per thread, and a refused call's error finds its way back to that ``run``). Nothing
+    else about the options changes. The bridge's ops are added to onnxruntime-extensions'
+    library first: the library adds the ops it holds when it is registered on the options.
     """
     options = sess_options if sess_options is not None else ort.SessionOptions()
     if not isinstance(options, ort.SessionOptions):
         raise TypeError(f"sess_options must be an onnxruntime.SessionOptions or None, got {type(options).__name__}")
     if options.execution_mode != ort.ExecutionMode.ORT_SEQUENTIAL:
         raise SparseAttentionError(
-            f"sess_options.execution_mode is {options.execution_mode.name}: SparseAttention's bridge ops must run "
-            "in order on the thread that calls run, so only ORT_SEQUENTIAL (ONNX Runtime's default) is supported")
+            f"sess_options.execution_mode is {options.execution_mode.name}: SparseAttention's nodes must run "
+            "on the thread that calls run, so only ORT_SEQUENTIAL (ONNX Runtime's default) is supported")
     register()
     try:
         options.get_session_config_entry(_REGISTERED_MARK)
@@ -60,9 +56,9 @@ def session_options(sess_options: ort.SessionOptions | None = None) -> ort.Sessi
 
 
 def _quiet_run_options() -> ort.RunOptions:
-    """Run options whose log shows only fatal messages. When a call is refused, ORT logs an
-    error naming the node that stopped after the refusal (a Reshape, not SparseAttention),
-    in colour on stderr, before the exception that names the input and the rule it broke."""
+    """Run options whose log shows only fatal messages. When a call is refused, ORT logs the
+    node's error in colour on stderr, and then raises it; the session raises the node's own
+    exception, which names the input and the rule it broke."""
     options = ort.RunOptions()
     options.log_severity_level = 4
     return options
@@ -77,17 +73,14 @@ class SparseAttentionSession(ort.InferenceSession):
 
     Its nodes carry this session's own token, so its GPU state is never shared with another
     session, and is freed when the session is collected. Settings (``kv_check``,
-    ``profile``, ``f16_cache``) belong to the session. Each run hands its nodes views of
-    the past feeds it can read in place (:mod:`sparse_attention_op.pasts`).
+    ``profile``, ``f16_cache``) belong to the session.
     """
 
-    def __init__(self, model_bytes: bytes, sess_options, providers, token: str, settings, kv_check: str, past_inputs: PastInputs):
+    def __init__(self, model_bytes: bytes, sess_options, providers, token: str, settings, kv_check: str):
         records.open(token, settings)
         self.sparse_attention_token = token
         self.kv_check = kv_check
         self.settings = settings
-        self._past_inputs = dict(past_inputs)
-        self._past_types = past_types(self._past_inputs)  # what run and io_binding() make C-contiguous
         self._finalizer = weakref.finalize(self, _close_session, token)
         self._local = threading.local()
         super().__init__(model_bytes, sess_options=sess_options, providers=providers)
@@ -99,19 +92,11 @@ class SparseAttentionSession(ort.InferenceSession):
         SparseAttention nodes from 0 (names may repeat or be empty), e.g. ``"0:sparse_attention"``."""
         return getattr(self._local, "stats", {})
 
-    def io_binding(self) -> RecordingIOBinding:
-        """An IOBinding (onnxruntime's own, which also notes what each input is bound to, so
-        that the nodes read bound pasts in place: see :mod:`sparse_attention_op.pasts`)."""
-        return RecordingIOBinding(self, self._past_types)
-
-    def _checked(self, method, feeds, *args):
-        """``method(*args)`` with the errors refused inside nodes raised, and the pasts among
-        ``feeds`` (graph input name -> what the caller gave) published for the nodes."""
+    def _checked(self, method, *args):
+        """``method(*args)`` with the errors refused inside nodes raised as they were refused."""
         token = self.sparse_attention_token
         records.pop_error(token)  # nothing stale from an earlier run
         records.pop_stats(token)
-        if self._past_inputs and feeds:
-            records.publish_pasts(token, past_views(self._past_inputs, feeds))
         try:
             result = method(*args)
         except Exception as failure:
@@ -120,28 +105,17 @@ class SparseAttentionSession(ort.InferenceSession):
                 raise refused from failure
             raise
         finally:
-            records.withdraw_pasts(token)
             self._local.stats = records.pop_stats(token)
-        refused = records.pop_error(token)
-        if refused is not None:
-            raise refused
         return result
 
     def run(self, output_names, input_feed, run_options=None):
-        if isinstance(input_feed, dict) and self._past_inputs:
-            input_feed = contiguous_pasts(self._past_types, input_feed)
-        feeds = input_feed if isinstance(input_feed, dict) else None
-        return self._checked(super().run, feeds, output_names, input_feed, run_options or _QUIET_RUN)
+        return self._checked(super().run, output_names, input_feed, run_options or _QUIET_RUN)
 
     def run_with_ort_values(self, output_names, input_dict_ort_values, run_options=None):
-        feeds = input_dict_ort_values if isinstance(input_dict_ort_values, dict) else None
-        return self._checked(super().run_with_ort_values, feeds, output_names, input_dict_ort_values, run_options or _QUIET_RUN)
+        return self._checked(super().run_with_ort_values, output_names, input_dict_ort_values, run_options or _QUIET_RUN)
 
     def run_with_iobinding(self, iobinding, run_options=None):
-        # Only a binding of io_binding() says what it holds; any other runs as well, its
-        # history crossing the bridge.
-        feeds = iobinding.bound_inputs if isinstance(iobinding, RecordingIOBinding) else None
-        return self._checked(super().run_with_iobinding, feeds, iobinding, run_options or _QUIET_RUN)
+        return self._checked(super().run_with_iobinding, iobinding, run_options or _QUIET_RUN)
 
 
 def create_session(
@@ -161,16 +135,13 @@ def create_session(
 
     * ``kv_check="exact"`` (default): every history row is compared through per-chunk
       64-bit digests; only rows that differ are uploaded. Results are those of the past you
-      feed, whatever it is. Cost follows the history, not the cache's capacity. The rows are
-      read where they lie: the past arrays given to ``run``, the OrtValues given to
-      ``run_with_ort_values`` or bound through :meth:`SparseAttentionSession.io_binding`
-      (:mod:`sparse_attention_op.pasts` says when); other pasts cross the bridge, sliced.
-    * ``kv_check="fast"``: only lengths and probe rows cross (each sequence's last rows and
-      a few rows spread over its history); when they disagree the call falls back to the
-      exact check. Cost per step is constant (except through an IOBinding not made by
-      :meth:`SparseAttentionSession.io_binding`: the session checks the probes where the
-      pasts lie, so such a call's whole history is checked exactly). It cannot see a change
-      confined to rows it did not probe, such as an edit to one row in the middle of a history.
+      feed, whatever it is. Cost follows the history, not the cache's capacity: the rows are
+      read where ONNX Runtime holds the past, never copied.
+    * ``kv_check="fast"``: the lengths and a few probe rows (each sequence's last rows and a
+      few rows spread over its history) are compared with the GPU's cache, on the GPU; when
+      they disagree the call runs again after the exact check. Cost per step depends on
+      neither history nor capacity. It cannot see a change confined to rows it did not
+      probe, such as an edit to one row in the middle of a history.
 
     ``profile=True`` times every dispatch with GPU timestamps (see :meth:`SparseAttentionSession.last_stats`).
     ``f16_cache`` keeps float16 models' GPU caches in f16 where the adapter allows (lossless).
@@ -181,7 +152,7 @@ def create_session(
 
     require_kv_check(kv_check)
     token = uuid.uuid4().hex
-    prepared, past_inputs = prepare_for_session(model, session_token=token, kv_check=kv_check)
+    prepared = prepare_model(model, session_token=token, kv_check=kv_check)
     register()
     try:
         return SparseAttentionSession(
@@ -191,7 +162,6 @@ def create_session(
             token,
             ExecutionSettings(profile=profile, f16_cache=f16_cache),
             kv_check,
-            past_inputs,
         )
     except Exception as error:
         if "Conflicting with a registered kernel" not in str(error):

@@ -252,7 +252,7 @@ def test_refused_call_under_plain_session_raises_and_logs(source):
 
 
 def test_genai_without_register_fails_to_load(prepared):
-    # The library is loaded (GenAI loads it), but no PyOp was defined in this process.
+    # The library is loaded (GenAI loads it), but the bridge did not add its op in this process.
     done = run_script(
         """
         import sys, onnxruntime_genai as og
@@ -263,7 +263,7 @@ def test_genai_without_register_fails_to_load(prepared):
         """,
         prepared,
     )
-    assert "RAISED" in done.stdout and "SparseAttentionPlan" in done.stdout, done.stdout + done.stderr
+    assert "RAISED" in done.stdout and "SparseAttentionWebGPU" in done.stdout, done.stdout + done.stderr
 
 
 # -- argument checks ---------------------------------------------------------------------------
@@ -367,7 +367,7 @@ def test_load_refuses_a_folder_of_another_bridge_format(prepared, tmp_path):
     del record["bridge_format"]  # as folders were written before the format was recorded
     record_path.unlink()  # a hard link: replace it, do not write through to `prepared`
     record_path.write_text(json.dumps(record))
-    with pytest.raises(RuntimeError, match="bridge format 1; this version runs format 2: prepare the folder again"):
+    with pytest.raises(RuntimeError, match="bridge format 1; this version runs format 3: prepare the folder again"):
         sao.load_genai_model(older)
 
 

@@ -2,14 +2,9 @@
 
 Ways: ``plain`` feeds numpy pasts and feeds each present back; ``shared`` binds past and
 present to one buffer (IO binding, as ORT GenAI runs it), where the presents are written in
-place; ``ort_values`` feeds OrtValues (run_with_ort_values). Routes: the session reads the
-history from the caller's pasts in place (pasts.py), or, as for a plain InferenceSession or
-ORT GenAI, the rows cross the bridge (``bridge``: prepare_model's graph, with the fast check op);
-or the session's own graph, which has no check op for a fast node (its probes are read in
-place and compared on the GPU), meets pasts it cannot read in place (``unread``: the whole
-history crosses and is checked). Every step is compared with the float64
-reference; the node's call statistics say how many history rows were compared, where they
-were read and how many went to the GPU (functional checks, not timings)."""
+place; ``ort_values`` feeds OrtValues (run_with_ort_values). Every step is compared with the
+float64 reference; the node's call statistics say how many history rows were compared and
+how many went to the GPU (functional checks, not timings)."""
 
 import logging
 import re
@@ -34,22 +29,6 @@ CONFIG = CaseConfig(batch=3, seq_len=6, num_heads=4, kv_num_heads=2, head_size=3
 LAYOUT = ("block_row_indices", "block_col_indices", "cos_cache", "sin_cache")
 MODES = ["exact", "fast"]
 WAYS = ["plain", "shared"]
-ROUTES = ["in_place", "bridge", "unread"]
-
-
-@pytest.fixture(params=ROUTES)
-def route(request, monkeypatch):
-    """How the history reaches the op; ``bridge`` is what sessions that cannot see the feeds
-    get (prepare_model's graph, no pasts published), ``unread`` a session's own graph whose
-    pasts it finds it cannot read."""
-    if request.param == "bridge":
-        monkeypatch.setattr(sao.session, "prepare_for_session", lambda model, session_token, kv_check: (
-            sao.prepare_model(model, session_token=session_token, kv_check=kv_check), {}))
-    if request.param == "unread":
-        monkeypatch.setattr(sao.session, "past_views", lambda past_inputs, feeds: {})
-    return request.param
-
-
 def new_session(rng, kv_check, config=CONFIG, dtype=np.float32):
     inputs = random_inputs(config, rng)
     inputs = {k: (v.astype(dtype) if v.dtype == np.float32 else v) for k, v in inputs.items()}
@@ -129,118 +108,69 @@ def test_bind_shared_names_each_mistake(rng):
 
 @pytest.mark.parametrize("way", WAYS + ["ort_values"])
 @pytest.mark.parametrize("kv_check", MODES)
-def test_decode_steps_move_no_history(executor, rng, kv_check, way, route):
+def test_decode_steps_move_no_history(executor, rng, kv_check, way):
     generation = Generation(new_session(rng, kv_check), rng, way)
     first = generation.step()
     assert first.history_rows_compared == 0 and first.history_rows_uploaded == 0, "a prompt reads no history"
     for _ in range(6):
         stats = generation.step()
         assert stats.history_rows_uploaded == 0
-        if kv_check == "fast" and route != "unread":
-            assert stats.history_rows_compared == 0, "the fast check passed: no history row crossed"
-            assert not stats.history_read_in_place
-        else:  # the exact check, or a fast node of the session's graph that could not read its probes
+        if kv_check == "fast":
+            assert stats.history_rows_compared == 0, "the fast check passed: no history row was read"
+        else:
             assert stats.history_rows_compared == 2 * CONFIG.kv_num_heads * int((generation.lengths - 1).sum())
-            assert stats.history_read_in_place == (route == "in_place")
 
 
 @pytest.mark.parametrize("kv_check", MODES)
-def test_foreign_bindings_cross_the_bridge_and_strided_pasts_are_read_in_place(executor, rng, kv_check):
-    """A past bound through an IOBinding the session did not make is never read in place:
-    its history crosses (all of it, for a fast node too: the session's graph has no check op
-    to take its probes) and the results stay exact. A past that is not C-contiguous is made
-    so by run (the copy ORT would make) and read in place."""
-    session = new_session(rng, kv_check)
-    generation = Generation(session, rng, "plain", prompt_lengths=(6, 6, 6))
-    generation.step()
-    generation.step()
-    # Reordered rows (the fast check fails) in Fortran order: run copies such a feed.
-    generation.past = [p[[2, 0, 1]] for p in generation.past]
-    generation.lengths = generation.lengths[[2, 0, 1]]
-    generation.next()
-    for name in ("past_key", "past_value"):
-        generation.inputs[name] = np.asfortranarray(generation.inputs[name])
-    stats = generation.step()
-    assert stats.history_rows_uploaded > 0 and stats.history_read_in_place
-    feeds = generation.feeds()
-    inputs = {k: v.astype(np.float64) if v.dtype.kind == "f" else v for k, v in generation.inputs.items()}
-    values = {name: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(p)) for name, p in zip(("past_key", "past_value"), generation.past)}
-    binding = ort.IOBinding(session)  # not session.io_binding(): nothing says what it holds
-    for name, value in feeds.items():
-        if name in values:
-            binding.bind_ortvalue_input(name, values[name])
-        else:
-            binding.bind_cpu_input(name, value)
-    binding.bind_output("output")
-    session.run_with_iobinding(binding)
-    stats = next(iter(session.last_stats().values()))
-    assert not stats.history_read_in_place
-    assert stats.history_rows_compared == 2 * CONFIG.kv_num_heads * int(generation.lengths.sum())
-    expected = sparse_attention_reference(**inputs, **CONFIG.node_attributes())[0]
-    assert_close(binding.copy_outputs_to_cpu()[0], expected, "output through a foreign IOBinding")
-
-
-@pytest.mark.parametrize("kv_check", MODES)
-def test_strided_pasts_bound_through_the_session_are_read_in_place(executor, rng, kv_check):
-    """bind_cpu_input of a past ORT would copy (Fortran order) binds a C-contiguous copy
-    that the nodes read in place: the fast check still needs no history."""
+def test_pasts_are_read_wherever_ort_holds_them(executor, rng, kv_check):
+    """Pasts bound through any IOBinding, by OrtValue, by pointer (with the element type as
+    a numpy type or an ONNX type number) or as arrays ORT must copy first (Fortran order):
+    the node reads them where ORT holds them for the run, so the fast check needs no
+    history and the exact check uploads nothing it holds."""
     session = new_session(rng, kv_check)
     generation = Generation(session, rng, "plain")
     generation.step()
-    generation.step()
-    binding = session.io_binding()
-    for name, value in generation.feeds().items():
-        binding.bind_cpu_input(name, np.asfortranarray(value) if name in ("past_key", "past_value") else value)
-    binding.bind_output("output")
-    session.run_with_iobinding(binding)
-    stats = next(iter(session.last_stats().values()))
-    if kv_check == "fast":
-        assert stats.history_rows_compared == 0 and not stats.probes_differed
-    else:
-        assert stats.history_read_in_place and stats.history_rows_uploaded == 0
-    inputs = {k: v.astype(np.float64) if v.dtype.kind == "f" else v for k, v in generation.inputs.items()}
-    expected = sparse_attention_reference(**inputs, **CONFIG.node_attributes())[0]
-    assert_close(binding.copy_outputs_to_cpu()[0], expected, "output with strided pasts bound")
-
-
-def test_pasts_bound_by_pointer_are_read_in_place(executor, rng):
-    session = new_session(rng, "exact")
-    generation = Generation(session, rng, "plain")
-    generation.step()
-    feeds = generation.feeds()
-    binding = session.io_binding()
-    # ORT takes the element type as a numpy type or as an ONNX type number.
-    element_types = {"past_key": np.float32, "past_value": onnx.TensorProto.FLOAT}
-    for name, value in feeds.items():
-        if name in element_types:
-            binding.bind_input(name, "cpu", 0, element_types[name], value.shape, value.ctypes.data)
-        else:
-            binding.bind_cpu_input(name, value)
-    binding.bind_output("output")
-    session.run_with_iobinding(binding)
-    stats = next(iter(session.last_stats().values()))
-    assert stats.history_read_in_place and stats.history_rows_uploaded == 0
-    inputs = {k: v.astype(np.float64) if v.dtype.kind == "f" else v for k, v in generation.inputs.items()}
-    expected = sparse_attention_reference(**inputs, **CONFIG.node_attributes())[0]
-    assert_close(binding.copy_outputs_to_cpu()[0], expected, "output with pasts bound by pointer")
+    binds = {
+        "ortvalue": lambda binding, name, past: binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(past)),
+        "pointer": lambda binding, name, past: binding.bind_input(name, "cpu", 0, np.float32 if name == "past_key" else onnx.TensorProto.FLOAT,
+                                                                  past.shape, past.ctypes.data),
+        "fortran": lambda binding, name, past: binding.bind_cpu_input(name, np.asfortranarray(past)),
+    }
+    for way, bind in binds.items():
+        feeds = generation.feeds()
+        inputs = {k: v.astype(np.float64) if v.dtype.kind == "f" else v for k, v in generation.inputs.items()}
+        pasts = {name: np.ascontiguousarray(feeds[name]) for name in ("past_key", "past_value")}
+        binding = ort.IOBinding(session)
+        for name, value in feeds.items():
+            if name in pasts:
+                bind(binding, name, pasts[name])
+            else:
+                binding.bind_cpu_input(name, value)
+        for name in ("output", "present_key", "present_value"):
+            binding.bind_output(name)
+        session.run_with_iobinding(binding)
+        stats = next(iter(session.last_stats().values()))
+        assert stats.history_rows_uploaded == 0 and not stats.probes_differed, way
+        if kv_check == "fast":
+            assert stats.history_rows_compared == 0, way
+        outputs = binding.copy_outputs_to_cpu()
+        assert_matches_reference([o.astype(np.float64) for o in outputs], inputs, CONFIG.node_attributes(), f"pasts bound as {way}")
+        generation.past = outputs[1:]
+        generation.lengths = generation.lengths + 1
+        generation.next()
 
 
 @pytest.mark.parametrize("way", WAYS)
-def test_no_view_of_the_pasts_outlives_its_run(executor, rng, way):
-    """The views are withdrawn when run returns, and nothing keeps the caller's arrays alive."""
+def test_nothing_keeps_the_fed_pasts_after_the_run(executor, rng, way):
+    """The node reads the caller's pasts during the run only: nothing keeps them alive."""
     import gc
     import weakref
-
-    from sparse_attention_op.bridge import records, tickets
 
     session = new_session(rng, "exact")
     generation = Generation(session, rng, way)
     generation.step()
     fed = [weakref.ref(generation.inputs[name]) for name in ("past_key", "past_value")]
-    assert generation.step().history_read_in_place  # fed those arrays, then moved on to new inputs
-    token = session.sparse_attention_token
-    assert records.pasts(token + "/0:sparse_attention") is None
-    assert all(issued.pasts is None for (_, node_key), issued in tickets._issued.items() if node_key.startswith(token))
+    generation.step()  # fed those arrays, then moved on to new inputs
     if way == "plain":  # (the shared way feeds copies it keeps itself)
         gc.collect()
         assert [ref() for ref in fed] == [None, None], "the arrays the last run was fed are the caller's to free"
@@ -260,7 +190,7 @@ def test_shared_buffers_are_written_in_place(executor, rng):
 
 @pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("kv_check", MODES)
-def test_restart_in_the_same_session(executor, rng, kv_check, way, route):
+def test_restart_in_the_same_session(executor, rng, kv_check, way):
     session = new_session(rng, kv_check)
     first = Generation(session, rng, way)
     for _ in range(3):
@@ -273,7 +203,7 @@ def test_restart_in_the_same_session(executor, rng, kv_check, way, route):
 
 @pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("kv_check", MODES)
-def test_beam_reorder(executor, rng, kv_check, way, route):
+def test_beam_reorder(executor, rng, kv_check, way):
     generation = Generation(new_session(rng, kv_check), rng, way, prompt_lengths=(6, 6, 6))
     generation.step()
     generation.step()
@@ -288,7 +218,7 @@ def test_beam_reorder(executor, rng, kv_check, way, route):
 
 
 @pytest.mark.parametrize("kv_check", MODES)
-def test_edit_in_the_last_rows_is_caught(executor, rng, kv_check, route):
+def test_edit_in_the_last_rows_is_caught(executor, rng, kv_check):
     generation = Generation(new_session(rng, kv_check), rng, "plain")
     generation.step()
     generation.step()
@@ -301,7 +231,7 @@ def test_edit_in_the_last_rows_is_caught(executor, rng, kv_check, route):
     assert generation.step().history_rows_uploaded == 0
 
 
-def test_exact_check_catches_a_single_bit_in_the_middle(executor, rng, route):
+def test_exact_check_catches_a_single_bit_in_the_middle(executor, rng):
     generation = Generation(new_session(rng, "exact"), rng, "plain")
     for _ in range(3):
         generation.step()
@@ -359,7 +289,7 @@ def test_the_gpu_fast_check_compares_bits(executor, rng):
     generation.past[1][2, 0, row, 0] = -0.0
     generation.next()
     stats = generation.step()
-    assert stats.probes_differed and stats.history_read_in_place
+    assert stats.probes_differed
     assert 0 < stats.history_rows_uploaded <= chunk_rows_for(CONFIG.head_size, 4)
     stats = generation.step()
     assert not stats.probes_differed and stats.history_rows_compared == 0
@@ -435,7 +365,7 @@ def test_a_host_fault_is_not_reported_as_a_gpu_failure(executor, rng, monkeypatc
 
 @pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("kv_check", MODES)
-def test_float16_chain_needs_no_reupload(executor, rng, kv_check, way, route):
+def test_float16_chain_needs_no_reupload(executor, rng, kv_check, way):
     # The graph stores the presents as float16 and the next past crosses as float32: the op
     # produces float16 values for the rotated keys, or every step would re-upload history.
     generation = Generation(new_session(rng, kv_check, dtype=np.float16), rng, way, dtype=np.float16)
@@ -593,38 +523,3 @@ def test_record_fast_paths_equal_the_general_ones(rng, head_size, itemsize, batc
             expected = np.clip(np.concatenate([np.arange(chunks - last, chunks),
                                                ((np.arange(SPREAD_CHUNKS) + phase) * chunks / SPREAD_CHUNKS).astype(np.int64)]), 0, chunks - 1)
             assert probes[b].tolist() == expected.tolist(), (past_lengths, b)
-
-
-@pytest.mark.parametrize("batch, past_lengths", [(1, (8151,)), (1, (8150,)), (2, (301, 0)), (3, (5, 64, 33))])
-def test_probes_agree_reads_only_history_rows(rng, batch, past_lengths):
-    """The fast check's digest comparison (pure host code): it accepts the probed rows of the
-    past the record holds, whatever lies beyond each history's end (a chunk a history ends
-    inside is compared on its history rows only), and refuses a change to any probed row."""
-    from sparse_attention_op.cache_record import CacheRecord, probe_row_indices
-
-    heads, head_size, capacity = 2, 128, 8192
-    record = CacheRecord(batch, heads, head_size, 4, capacity)
-    past = rng.standard_normal((batch, heads, capacity, head_size), dtype=np.float32)
-    values = rng.standard_normal((batch, heads, capacity, head_size), dtype=np.float32)
-    record.sync(past_lengths, past, values)
-    c = record.chunk_rows
-    probes = probe_chunks(past_lengths, c, max(past_lengths) + 1)
-    index = probe_row_indices(probes, c, heads, capacity)
-
-    def gathered(cache):
-        return cache.reshape(-1, head_size)[index].reshape(batch, heads, -1, head_size)
-
-    assert record.probes_agree(past_lengths, probes, gathered(past), gathered(values))
-    assert not record.probes_agree(past_lengths, probes, gathered(values), gathered(past))  # key and value swapped
-    beyond_key, beyond_value = past.copy(), values.copy()
-    for b, length in enumerate(past_lengths):
-        for beyond in (beyond_key, beyond_value):
-            beyond[b, :, length:] = rng.standard_normal((heads, capacity - length, head_size), dtype=np.float32)
-    assert record.probes_agree(past_lengths, probes, gathered(beyond_key), gathered(beyond_value))
-    b = next(b for b, length in enumerate(past_lengths) if length > 0)
-    for row in (past_lengths[b] - 1, int(probes[b, -1]) * c):  # the last history row, a spread probe's first
-        edited_key, edited_value = past.copy(), values.copy()
-        edited_key[b, 1, row, 5] += 1.0
-        edited_value[b, 1, row, 5] += 1.0
-        assert not record.probes_agree(past_lengths, probes, gathered(edited_key), gathered(values)), row
-        assert not record.probes_agree(past_lengths, probes, gathered(past), gathered(edited_value)), row

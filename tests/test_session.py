@@ -11,9 +11,7 @@ from onnxruntime_extensions import get_library_path
 
 import sparse_attention_op as sao
 from helpers import assert_close, assert_matches_reference, graph_feeds, run_in_threads, run_ort_cpu
-from sparse_attention_op.bridge import (
-    BRIDGE_DOMAIN, BRIDGE_FORMAT, CHECK_OP, KERNEL_OP, KV_CHECK_ATTRIBUTE, LAYOUT_ATTRIBUTE, NODE_KEY_ATTRIBUTE, PLAN_OP,
-)
+from sparse_attention_op.bridge import BRIDGE_DOMAIN, BRIDGE_FORMAT, KV_CHECK_ATTRIBUTE, LAYOUT_ATTRIBUTE, NODE_KEY_ATTRIBUTE, OP_TYPES
 from sparse_attention_op.demo import build_demo_model, reference_step
 from sparse_attention_op.graphs import sparse_attention_model
 from sparse_attention_op.inputs import CaseConfig, random_inputs
@@ -29,70 +27,33 @@ def model_and_inputs(config, rng, constants=LAYOUT):
 
 
 # -- prepare_model (no GPU) ----------------------------------------------------------------
-def bridge_nodes(model, op_type):
-    return [n for n in model.graph.node if n.domain == BRIDGE_DOMAIN and n.op_type == op_type]
+def bridge_nodes(model):
+    return [n for n in model.graph.node if n.domain == BRIDGE_DOMAIN and n.op_type in OP_TYPES.values()]
 
 
-def test_prepare_model_rewrites_the_node_around_the_bridge_ops(rng):
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_prepare_model_replaces_the_node_by_the_bridge_op(rng, dtype):
     config = CaseConfig(packed=True)
-    model, _ = model_and_inputs(config, rng)
+    inputs = {k: (v.astype(dtype) if v.dtype == np.float32 else v) for k, v in random_inputs(config, rng).items()}
+    model = sparse_attention_model(config.node_attributes(), inputs, constants=LAYOUT, float_dtype=dtype)
     node = model.graph.node[0]
     del node.attribute[:]
     node.attribute.extend([onnx.helper.make_attribute(k, v) for k, v in dict(num_heads=4, kv_num_heads=2, sparse_block_size=8).items()])
     prepared = sao.prepare_model(model, kv_check="fast")
-    assert not any(n.op_type == "SparseAttention" for n in prepared.graph.node)
-    (plan,), (check,), (kernel,) = (bridge_nodes(prepared, op) for op in (PLAN_OP, CHECK_OP, KERNEL_OP))
+    (kernel,) = bridge_nodes(prepared)
+    assert [n.op_type for n in prepared.graph.node] == [OP_TYPES[np.dtype(dtype)]], "one node, nothing around it"
     attrs = node_attributes(kernel)
     assert attrs["scale"] == 0.0 and attrs["do_rotary"] == 0 and attrs["rotary_interleaved"] == 0
     assert attrs[KV_CHECK_ATTRIBUTE] == b"fast" and attrs[LAYOUT_ATTRIBUTE] == b"constant"
     assert attrs[NODE_KEY_ATTRIBUTE].decode().endswith(":sparse_attention")
-    assert node_attributes(plan)[NODE_KEY_ATTRIBUTE] == attrs[NODE_KEY_ATTRIBUTE] == node_attributes(check)[NODE_KEY_ATTRIBUTE]
-    # The later ops take the plan's ticket, not the shapes and lengths again.
-    assert plan.output[-1] == check.input[-1] == kernel.input[-1] and len(check.input) == 3
-    # The graph's interface is unchanged, and native nodes produce every graph output.
+    # The node's inputs and outputs, and the graph's interface, are unchanged.
+    assert list(kernel.input) == list(node.input) and list(kernel.output) == list(node.output)
     assert [i.name for i in prepared.graph.input] == [i.name for i in model.graph.input]
     assert [o.name for o in prepared.graph.output] == [o.name for o in model.graph.output]
-    producers = {out: n for n in prepared.graph.node for out in n.output}
-    assert {producers[o.name].op_type for o in prepared.graph.output} == {"Reshape", "ScatterND"}
-    # No bridge op touches past_key/past_value directly: native nodes hand it what it needs.
-    for op in (plan, check, kernel):
-        assert not {"past_key", "past_value"} & set(op.input)
     # a fresh identity on each preparation, the original model untouched
     again = sao.prepare_model(model)
-    assert node_attributes(bridge_nodes(again, KERNEL_OP)[0])[NODE_KEY_ATTRIBUTE] != attrs[NODE_KEY_ATTRIBUTE]
+    assert node_attributes(bridge_nodes(again)[0])[NODE_KEY_ATTRIBUTE] != attrs[NODE_KEY_ATTRIBUTE]
     assert model.graph.node[0].op_type == "SparseAttention" and len(model.graph.node[0].input) == 9
-
-
-def test_exact_nodes_slice_the_history_the_plan_op_names_without_a_check_op(rng):
-    prepared = sao.prepare_model(model_and_inputs(CaseConfig(), rng)[0], kv_check="exact")
-    (plan,) = bridge_nodes(prepared, PLAN_OP)
-    assert bridge_nodes(prepared, CHECK_OP) == []
-    slices = [n for n in prepared.graph.node if n.op_type == "Slice" and n.input[0] in ("past_key", "past_value")]
-    assert len(slices) == 2 and {n.input[2] for n in slices} == {plan.output[-2]}
-    # Nothing else reads the past: no probe rows are taken from it.
-    readers = sorted(n.op_type for n in prepared.graph.node for name in ("past_key", "past_value") if name in n.input)
-    assert readers == ["ScatterND", "ScatterND", "Shape", "Shape", "Slice", "Slice"]
-
-
-def test_a_session_graph_has_no_check_op_where_it_reads_the_pasts(rng):
-    """create_session's graph: a fast node whose pasts are graph inputs has no check op (its
-    probes are read in place and compared on the GPU) and slices the history the plan op
-    names, as an exact node does; one whose pasts the session cannot see keeps the check op."""
-    from sparse_attention_op.model import prepare_for_session
-
-    model = model_and_inputs(CaseConfig(), rng)[0]
-    prepared, past_inputs = prepare_for_session(model, session_token="t", kv_check="fast")
-    (plan,) = bridge_nodes(prepared, PLAN_OP)
-    assert bridge_nodes(prepared, CHECK_OP) == [] and list(past_inputs) == ["t/0:sparse_attention"]
-    readers = sorted(n.op_type for n in prepared.graph.node for name in ("past_key", "past_value") if name in n.input)
-    assert readers == ["ScatterND", "ScatterND", "Shape", "Shape", "Slice", "Slice"]
-    assert {n.input[2] for n in prepared.graph.node if n.op_type == "Slice" and n.input[0] == "past_key"} == {plan.output[-2]}
-    # The past computed inside the graph: nothing the session could read in place.
-    node = model.graph.node[0]
-    model.graph.node.insert(0, onnx.helper.make_node("Identity", ["past_key"], ["past_key_copy"]))
-    node.input[3] = "past_key_copy"
-    prepared, past_inputs = prepare_for_session(model, session_token="u", kv_check="fast")
-    assert len(bridge_nodes(prepared, CHECK_OP)) == 1 and past_inputs == {}
 
 
 def test_a_prepared_model_is_refused(rng):
@@ -103,13 +64,20 @@ def test_a_prepared_model_is_refused(rng):
         with pytest.raises(sao.SparseAttentionError, match="the model is prepared already .* pass the original model"):
             attempt(prepared)
     del prepared.metadata_props[:]  # as models were prepared before the format was recorded
-    with pytest.raises(sao.SparseAttentionError, match="bridge format 1; this version runs format 2: prepare the original model"):
+    with pytest.raises(sao.SparseAttentionError, match="bridge format 1; this version runs format 3: prepare the original model"):
         sao.create_session(prepared)
+    # Format 2: PyOps of the package's own domain around native nodes.
+    older = onnx.helper.make_model(onnx.helper.make_graph(
+        [onnx.helper.make_node("SparseAttentionPlan", ["x"], ["y"], domain="ai.sparse_attention_op")], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.INT64, [1])], [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.INT64, [1])]))
+    older.metadata_props.add(key="sparse_attention_op.bridge_format", value="2")
+    with pytest.raises(sao.SparseAttentionError, match="bridge format 2; this version runs format 3"):
+        sao.prepare_model(older)
 
 
 def test_prepare_model_marks_graph_input_layouts_per_call(rng):
     model, _ = model_and_inputs(CaseConfig(), rng, constants=())
-    kernel = bridge_nodes(sao.prepare_model(model), KERNEL_OP)[0]
+    kernel = bridge_nodes(sao.prepare_model(model))[0]
     assert node_attributes(kernel)[LAYOUT_ATTRIBUTE] == b"per_call"
 
 
@@ -160,13 +128,12 @@ def test_key_without_value_is_refused(rng):
 
 
 def test_register_is_idempotent():
-    from sparse_attention_op import bridge
+    from sparse_attention_op import custom_op
 
     sao.register()
-    registered = dict(bridge._array_ops)
-    sao.register()
-    assert bridge._array_ops == registered, "a second register() must not define the ops again"
-    assert {op.opdef.op_type for op in registered.values()} >= {f"{bridge.BRIDGE_DOMAIN}::{name}" for name in (bridge.PLAN_OP, bridge.CHECK_OP, bridge.KERNEL_OP)}
+    registered = dict(custom_op._defined)
+    sao.register()  # a second definition of an op would raise
+    assert custom_op._defined == registered and set(registered) >= set(OP_TYPES.values())
 
 
 # -- sessions (GPU) -------------------------------------------------------------------------
@@ -339,7 +306,7 @@ def test_finaliser_never_blocks_on_a_call_in_flight(executor, rng):
 
 
 @pytest.mark.gpu
-def test_other_pyops_keep_the_stock_dispatcher(executor, rng):
+def test_other_pyops_keep_working_beside_the_bridge_op(executor, rng):
     from onnxruntime_extensions import PyCustomOpDef, onnx_op
 
     @onnx_op(op_type="SaoTestNegate", inputs=[PyCustomOpDef.dt_float], outputs=[PyCustomOpDef.dt_float])
@@ -396,42 +363,16 @@ def test_parallel_execution_is_refused_at_session_creation(rng):
         options.get_session_config_entry("sparse_attention_op.custom_ops_registered")
 
 
-def test_plan_tickets_belong_to_their_node_and_thread():
-    """The check and kernel ops take the plan op's ticket for the call shape it validated."""
-    from sparse_attention_op.bridge import _PlanRefused, _Tickets
-    from sparse_attention_op.spec import SparseAttentionError
-
-    tickets, shape = _Tickets(), object()
-    ticket = tickets.issue("token/node-a", shape)
-    assert tickets.redeem("token/node-a", ticket).shape is shape
-    for node, number in (("token/node-b", ticket), ("token/node-a", ticket + 1)):
-        with pytest.raises(SparseAttentionError, match="was not issued by its plan op on this thread"):
-            tickets.redeem(node, number)
-    with pytest.raises(_PlanRefused):
-        tickets.redeem("token/node-a", np.array([_Tickets.REFUSED], np.int64))
-    elsewhere = []
-
-    def redeem_on_another_thread():
-        try:
-            tickets.redeem("token/node-a", ticket)
-        except SparseAttentionError as error:
-            elsewhere.append(error)
-
-    thread = threading.Thread(target=redeem_on_another_thread)
-    thread.start()
-    thread.join()
-    assert len(elsewhere) == 1
-
-
-def test_a_closed_session_leaves_no_tickets(executor, rng):
-    from sparse_attention_op.bridge import session_token, tickets
+def test_a_closed_session_leaves_no_kernels(executor, rng):
+    """The bridge's kernel objects of a session's nodes go with the session."""
+    from sparse_attention_op import custom_op
 
     config = CaseConfig(seq_len=3, max_cache_len=16)
     model, inputs = model_and_inputs(config, rng)
     session = sao.create_session(model)
     session.run(None, graph_feeds(session, inputs))
     token = session.sparse_attention_token
-    assert any(session_token(key) == token for _, key in tickets._issued)
+    assert any(kernel.token == token for kernel in custom_op._kernels.values())
     del session
     gc.collect()
-    assert not any(session_token(key) == token for _, key in tickets._issued)
+    assert not any(kernel.token == token for kernel in custom_op._kernels.values())

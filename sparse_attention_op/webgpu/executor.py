@@ -73,9 +73,6 @@ class CallStats:
     upload_bytes: int = 0
     history_rows_compared: int = 0
     history_rows_uploaded: int = 0
-    #: The compared history was read from the caller's own past tensors, not sent through
-    #: the bridge (set by the bridge: sparse_attention_op/pasts.py).
-    history_read_in_place: bool = False
     #: Host time of the call's phases (seconds), to see where a call's time goes.
     phases: dict = field(default_factory=dict)
     #: The GPU's fast check found a probed row that differs from the cache, so the call ran
@@ -164,20 +161,8 @@ class WebGPUExecutor:
     def knows_layout(self, node_key: str) -> bool:
         return node_key in self._layouts
 
-    def cache_holds(self, node_key: str, shape: CallShape, probes: np.ndarray, probe_key: np.ndarray, probe_value: np.ndarray,
-                    float16_storage: bool = False, settings: ExecutionSettings = ExecutionSettings()) -> bool:
-        """The fast check: does this thread's cache of the node hold the call's past?
-
-        ``probes`` are the chunk indices of :func:`~sparse_attention_op.cache_record.probe_chunks`
-        and ``probe_key``/``probe_value`` their rows from the caller's past."""
-        with self._lock:
-            state = self._states.get((node_key, threading.get_ident()))
-            if state is None or not self._fits(state, shape, self._cache_dtype(float16_storage, settings)):
-                return False
-            return state.cache.record.probes_agree(shape.past_lengths, probes, probe_key, probe_value)
-
     def run(self, call: SparseAttentionCall, node_key: str = "default", settings: ExecutionSettings = ExecutionSettings(),
-            *, reuse_host_arrays: bool = False) -> CallResult:
+            *, reuse_host_arrays: bool = False, output: np.ndarray | None = None) -> CallResult:
         """Execute one call: the output, and the rotated new key rows when rotary is on.
 
         Without history rows in the call, the node's cache on this thread must already hold
@@ -185,7 +170,12 @@ class WebGPUExecutor:
         what it holds and uploads only what differs. With ``reuse_host_arrays`` the results
         live in host arrays the executor reuses at its next call on this thread (for callers
         that copy them at once, as the bridge does: fresh large arrays are slow to fault in).
+        ``output``, a writable C-contiguous float32 array of the output's shape, receives the
+        output instead (the bridge passes ORT's own buffer for it: no host copy).
         """
+        if output is not None and (output.shape != call.shape.output_shape or output.dtype != np.float32
+                                   or not output.flags.c_contiguous or not output.flags.writeable):
+            raise ValueError(f"output must be a writable C-contiguous float32 array of shape {call.shape.output_shape}")
         start = time.perf_counter()
         shape = call.shape
         plan = self._layout_plan(call, node_key)
@@ -197,7 +187,7 @@ class WebGPUExecutor:
             state_key = (node_key, threading.get_ident())
             state = self._state(state_key, shape, dtype, call.float16_storage)
             try:
-                result = self._execute(call, state, plan, dtype, settings, dispatch, reuse_host_arrays)
+                result = self._execute(call, state, plan, dtype, settings, dispatch, reuse_host_arrays, output)
             except wgpu.GPUError as error:
                 self._drop(state_key)
                 raise GpuExecutionError(f"SparseAttention failed on {self.context.description}: {error}") from error
@@ -327,7 +317,7 @@ class WebGPUExecutor:
         return self._host_array("packed_inputs", (nbytes,), True, np.uint8)
 
     def _execute(self, call: SparseAttentionCall, state: NodeState, plan: BlockPlan, dtype, settings: ExecutionSettings,
-                 dispatch: DispatchFacts, reuse_host_arrays: bool = False) -> CallResult:
+                 dispatch: DispatchFacts, reuse_host_arrays: bool = False, output: np.ndarray | None = None) -> CallResult:
         device, shape = self.context.device, call.shape
         phases = {}
         tick = time.perf_counter()
@@ -376,7 +366,8 @@ class WebGPUExecutor:
             state.uploaded_plan = plan
         resources.update(block_plan=BufferRange(plan_buffer), key_cache=BufferRange(cache.key), value_cache=BufferRange(cache.value))
         # The results share one buffer, laid out as in the read-back buffer: one copy back.
-        output = self._host_array("output", shape.output_shape, reuse_host_arrays)
+        if output is None:
+            output = self._host_array("output", shape.output_shape, reuse_host_arrays)
         new_key = self._host_array("new_key", shape.new_rows_shape, reuse_host_arrays) if shape.attributes.do_rotary else None
         # With probes, the GPU fast check's flags come last (kernels.probe_grid: one per workgroup).
         probe_flags = None
@@ -438,7 +429,8 @@ class WebGPUExecutor:
         if probe_flags is not None and np.count_nonzero(probe_flags):
             # A probed row differs from the cache: this output used a stale cache. The call
             # again, the history compared in full (its own rows land in the cache again).
-            again = self._execute(dataclasses.replace(call, probe_chunks=None), state, plan, dtype, settings, dispatch, reuse_host_arrays)
+            again = self._execute(dataclasses.replace(call, probe_chunks=None), state, plan, dtype, settings, dispatch, reuse_host_arrays,
+                                  output)
             again.stats.probes_differed = True
             return again
 

@@ -1,0 +1,376 @@
+"""ONNX Runtime custom ops whose kernel is a Python function, with no tensor copied.
+
+ONNX Runtime's C ABI for custom ops (``OrtCustomOp``, ``onnxruntime_c_api.h``) is a struct of
+function pointers; here those functions are ctypes callbacks. onnxruntime-extensions adds
+such a struct to the ops its library registers (its exported ``AddExternalCustomOp``), so a
+session, or ORT GenAI, that registers that library (``register_custom_ops_library``) runs the
+op, under the library's ``ai.onnx.contrib`` domain. The kernel is handed ORT's own tensors:
+an input is a numpy view of the memory ORT holds it in, an output is ORT's buffer for it,
+asked for with the shape the kernel decides. Nothing crosses a copy (the PyOp bridge copied
+every input and output, docs/design.md section 2), and a kernel's exception becomes an
+ordinary ORT error status (a PyOp's escaping exception aborted the process).
+
+What ORT calls, and when:
+
+* ``CreateKernelV2``, once per node when a session is created: the op's ``create`` function
+  turns the node's attributes into a kernel object (its exception fails the session).
+* ``KernelComputeV2``, per run: ``compute(kernel, context)``, where the
+  :class:`KernelContext` reads inputs and allocates outputs.
+* ``KernelDestroy`` with the session: libc's ``free`` of the handle, a native function, so no
+  Python runs when ORT tears a session down (possibly while the interpreter exits).
+
+The ABI facts used (slot numbers of ``OrtApi``, the ``OrtCustomOp`` layout of API version
+17) are append-only in ORT's header: every later release keeps them. docs/design.md
+section 2 records how they were checked.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import itertools
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+#: ``OrtCustomOp.version`` this module fills in: the struct as of ORT API 17 (onnxruntime
+#: 1.17), the first with every member below. ORT refuses a version above its own.
+OP_VERSION = 17
+
+#: ONNXTensorElementDataType values, and the numpy type of each.
+FLOAT, INT32, INT64, FLOAT16 = 1, 6, 7, 10
+NUMPY_TYPES = {FLOAT: np.dtype(np.float32), INT32: np.dtype(np.int32), INT64: np.dtype(np.int64), FLOAT16: np.dtype(np.float16)}
+_ORT_FAIL = 1  # OrtErrorCode
+_REQUIRED, _OPTIONAL = 0, 1  # OrtCustomOpInputOutputCharacteristic
+_MAX_RANK = 16
+
+_P = ctypes.c_void_p
+_SIZE = ctypes.c_size_t
+
+
+class _Api:
+    """The ``OrtApi`` functions the kernels call, by their slot in ORT's function table.
+
+    PYFUNCTYPE: each call keeps the GIL (they are short, and a decode step makes dozens;
+    releasing and taking the GIL around each would cost more than the call)."""
+
+    _SLOTS = {  # slot: (name, result, argument types); slots from onnxruntime_c_api.h
+        0: ("CreateStatus", _P, (ctypes.c_int, ctypes.c_char_p)),
+        51: ("GetTensorMutableData", _P, (_P, _P)),
+        61: ("GetDimensionsCount", _P, (_P, _P)),
+        62: ("GetDimensions", _P, (_P, _P, _SIZE)),
+        65: ("GetTensorTypeAndShape", _P, (_P, _P)),
+        60: ("GetTensorElementType", _P, (_P, _P)),
+        85: ("KernelInfoGetAttribute_float", _P, (_P, ctypes.c_char_p, _P)),
+        86: ("KernelInfoGetAttribute_int64", _P, (_P, ctypes.c_char_p, _P)),
+        87: ("KernelInfoGetAttribute_string", _P, (_P, ctypes.c_char_p, _P, _P)),
+        88: ("KernelContext_GetInputCount", _P, (_P, _P)),
+        89: ("KernelContext_GetOutputCount", _P, (_P, _P)),
+        90: ("KernelContext_GetInput", _P, (_P, _SIZE, _P)),
+        91: ("KernelContext_GetOutput", _P, (_P, _SIZE, _P, _SIZE, _P)),
+        93: ("ReleaseStatus", None, (_P,)),
+        99: ("ReleaseTensorTypeAndShapeInfo", None, (_P,)),
+        2: ("GetErrorMessage", ctypes.c_char_p, (_P,)),
+    }
+
+    def __init__(self, address: int):
+        table = ctypes.cast(address, ctypes.POINTER(_P))
+        for slot, (name, result, arguments) in self._SLOTS.items():
+            setattr(self, name, ctypes.PYFUNCTYPE(result, *arguments)(table[slot]))
+
+
+_api: _Api | None = None  # ORT's table, from the first kernel it creates (the same for all)
+_api_lock = threading.Lock()
+
+
+def _error_text(status: int) -> str:
+    message = _api.GetErrorMessage(status)
+    _api.ReleaseStatus(status)
+    return message.decode(errors="replace") if message else "unknown error"
+
+
+class OrtStatusError(RuntimeError):
+    """An ORT function called by a kernel returned an error (its message is ORT's)."""
+
+
+def _check(status) -> None:
+    if status:
+        raise OrtStatusError(_error_text(status))
+
+
+class _Scratch(threading.local):
+    """Out-parameters of the ORT calls, per thread (ORT may run sessions on many threads)."""
+
+    def __init__(self):
+        self.value, self.info, self.count, self.data, self.element = _P(), _P(), _SIZE(), _P(), ctypes.c_int()
+        self.dims = (ctypes.c_int64 * _MAX_RANK)()
+        self.addresses = tuple(ctypes.addressof(x) for x in (self.value, self.info, self.count, self.data, self.element))
+
+
+_scratch = _Scratch()
+
+
+def view(pointer: int, shape: tuple[int, ...], dtype: np.dtype, writeable: bool) -> np.ndarray:
+    """A numpy array over ``pointer`` (no copy)."""
+    count = 1
+    for dim in shape:
+        count *= dim
+    if count == 0 or not pointer:
+        array = np.empty(shape, dtype)
+    else:
+        array = np.frombuffer((ctypes.c_char * (count * dtype.itemsize)).from_address(pointer), dtype).reshape(shape)
+    if not writeable:
+        array.flags.writeable = False
+    return array
+
+
+class KernelContext:
+    """One run of one node: its inputs as read-only views of ORT's tensors, its outputs as
+    writable views of the buffers ORT allocates (or the caller bound) for them."""
+
+    __slots__ = ("_context", "_scratch", "_declaration", "_inputs", "_outputs")
+
+    def __init__(self, context: int, declaration: OpDeclaration):
+        self._context, self._scratch, self._declaration = context, _scratch, declaration
+        self._inputs = self._outputs = None
+
+    def input_count(self) -> int:
+        """Inputs the node has (trailing optional ones it leaves out do not count)."""
+        if self._inputs is None:
+            _check(_api.KernelContext_GetInputCount(self._context, self._scratch.addresses[2]))
+            self._inputs = self._scratch.count.value
+        return self._inputs
+
+    def output_count(self) -> int:
+        """Outputs the node has (trailing optional ones it leaves out do not count)."""
+        if self._outputs is None:
+            _check(_api.KernelContext_GetOutputCount(self._context, self._scratch.addresses[2]))
+            self._outputs = self._scratch.count.value
+        return self._outputs
+
+    def input(self, index: int) -> np.ndarray | None:
+        """Input ``index`` as a read-only view, or None where the node leaves it out."""
+        located = self.input_pointer(index)
+        if located is None:
+            return None
+        pointer, shape = located
+        return view(pointer, shape, NUMPY_TYPES[self._declaration.inputs[index].element_type], writeable=False)
+
+    def input_pointer(self, index: int) -> tuple[int, tuple[int, ...]] | None:
+        """Where input ``index`` lies and its shape, or None where the node leaves it out."""
+        s, api = self._scratch, _api
+        value, info, count, data, _ = s.addresses
+        if index >= self.input_count():
+            return None
+        _check(api.KernelContext_GetInput(self._context, index, value))
+        if not s.value.value:
+            return None
+        _check(api.GetTensorTypeAndShape(s.value.value, info))
+        try:
+            _check(api.GetDimensionsCount(s.info.value, count))
+            rank = s.count.value
+            if rank > _MAX_RANK:
+                raise OrtStatusError(f"input {index} has rank {rank}, more than {_MAX_RANK}")
+            _check(api.GetDimensions(s.info.value, s.dims, rank))
+            shape = tuple(s.dims[:rank])
+        finally:
+            api.ReleaseTensorTypeAndShapeInfo(s.info.value)
+        _check(api.GetTensorMutableData(s.value.value, data))
+        return s.data.value, shape
+
+    def output(self, index: int, shape: tuple[int, ...]) -> np.ndarray | None:
+        """ORT's buffer for output ``index`` with ``shape`` (a bound output is that buffer,
+        if its shape is this one: ORT raises otherwise), or None where the node leaves the
+        output out. Contents are whatever the buffer held: write every element."""
+        s, api = self._scratch, _api
+        value, _, _, data, _ = s.addresses
+        if index >= self.output_count():
+            return None
+        rank = len(shape)
+        s.dims[:rank] = shape
+        _check(api.KernelContext_GetOutput(self._context, index, ctypes.addressof(s.dims), rank, value))
+        if not s.value.value:
+            return None
+        _check(api.GetTensorMutableData(s.value.value, data))
+        return view(s.data.value, shape, NUMPY_TYPES[self._declaration.outputs[index].element_type], writeable=True)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One input or output of an op: its element type and whether a node may leave it out."""
+
+    element_type: int
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class OpDeclaration:
+    """What ORT is told about an op: its name (under onnxruntime-extensions' domain
+    ``ai.onnx.contrib``), inputs, outputs, and the attributes its kernels read (name ->
+    int, float or str; an attribute the node lacks is left out of the mapping)."""
+
+    name: str
+    inputs: tuple[Slot, ...]
+    outputs: tuple[Slot, ...]
+    attributes: tuple[tuple[str, type], ...]
+
+
+# -- the ABI -------------------------------------------------------------------------------
+_CreateKernel = ctypes.CFUNCTYPE(_P, _P, _P, _P)
+_CreateKernelV2 = ctypes.CFUNCTYPE(_P, _P, _P, _P, ctypes.POINTER(_P))
+_ComputeV2 = ctypes.CFUNCTYPE(_P, _P, _P)
+_Compute = ctypes.CFUNCTYPE(None, _P, _P)
+_Text = ctypes.CFUNCTYPE(_P, _P)  # const char*, as an address (a c_char_p result would leak)
+_TypeAt = ctypes.CFUNCTYPE(ctypes.c_int, _P, _SIZE)
+_Count = ctypes.CFUNCTYPE(_SIZE, _P)
+_Int = ctypes.CFUNCTYPE(ctypes.c_int, _P)
+
+
+class _OrtCustomOp(ctypes.Structure):
+    """``struct OrtCustomOp`` of ORT API 17, member for member."""
+
+    _fields_ = [
+        ("version", ctypes.c_uint32),
+        ("CreateKernel", _CreateKernel),
+        ("GetName", _Text),
+        ("GetExecutionProviderType", _Text),
+        ("GetInputType", _TypeAt),
+        ("GetInputTypeCount", _Count),
+        ("GetOutputType", _TypeAt),
+        ("GetOutputTypeCount", _Count),
+        ("KernelCompute", _Compute),
+        ("KernelDestroy", _P),
+        ("GetInputCharacteristic", _TypeAt),
+        ("GetOutputCharacteristic", _TypeAt),
+        ("GetInputMemoryType", _TypeAt),
+        ("GetVariadicInputMinArity", _Int),
+        ("GetVariadicInputHomogeneity", _Int),
+        ("GetVariadicOutputMinArity", _Int),
+        ("GetVariadicOutputHomogeneity", _Int),
+        ("CreateKernelV2", _CreateKernelV2),
+        ("KernelComputeV2", _ComputeV2),
+        ("InferOutputShapeFn", _P),
+        ("GetStartVersion", _Int),
+        ("GetEndVersion", _Int),
+    ]
+
+
+def _libc():
+    library = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    library.malloc.restype, library.malloc.argtypes = _P, [_SIZE]
+    return library
+
+
+_LIBC = _libc()
+_handles = itertools.count(1)
+#: Kernel objects by the number their ORT handle holds. A session's go when it is closed
+#: (forget_kernels); ORT frees the handles themselves.
+_kernels: dict[int, object] = {}
+#: Every op defined, with its callbacks: ORT and onnxruntime-extensions keep pointers to
+#: them for the life of the process.
+_defined: dict[str, tuple] = {}
+
+
+def define(declaration: OpDeclaration, create: Callable[[dict], object],
+           compute: Callable[[object, KernelContext], None], library) -> None:
+    """Add an op to onnxruntime-extensions' library (``library``: its loaded ctypes handle),
+    so that every session registering that library from now on runs it. ``create(attributes)``
+    makes a node's kernel object; ``compute(kernel, context)`` runs one call and raises on a
+    bad input (the exception's text becomes ORT's error). One definition per name per process."""
+    if declaration.name in _defined:
+        raise ValueError(f"custom op {declaration.name} is defined already")
+    name = declaration.name.encode()
+    name_buffer = ctypes.create_string_buffer(name)
+
+    def create_kernel(op, api, info, handle_out):
+        try:
+            _bind_api(api)
+            kernel = create(_attributes(info, declaration.attributes))
+            number = next(_handles)
+            handle = _LIBC.malloc(8)
+            ctypes.c_int64.from_address(handle).value = number
+            _kernels[number] = kernel
+            handle_out[0] = handle
+            return None
+        except BaseException as error:  # noqa: BLE001 - nothing may escape into ORT
+            return _status(f"{declaration.name}: {error}")
+
+    def compute_kernel(handle, context):
+        try:
+            compute(_kernels[ctypes.c_int64.from_address(handle).value], KernelContext(context, declaration))
+            return None
+        except BaseException as error:  # noqa: BLE001 - nothing may escape into ORT
+            return _status(str(error) or type(error).__name__)
+
+    inputs, outputs = declaration.inputs, declaration.outputs
+    callbacks = dict(
+        CreateKernel=_CreateKernel(0),  # ORT calls CreateKernelV2 when it is set
+        GetName=_Text(lambda op: ctypes.addressof(name_buffer)),
+        GetExecutionProviderType=_Text(lambda op: None),  # the CPU execution provider
+        GetInputType=_TypeAt(lambda op, i: inputs[i].element_type),
+        GetInputTypeCount=_Count(lambda op: len(inputs)),
+        GetOutputType=_TypeAt(lambda op, i: outputs[i].element_type),
+        GetOutputTypeCount=_Count(lambda op: len(outputs)),
+        KernelCompute=_Compute(0),  # ORT calls KernelComputeV2 when it is set
+        GetInputCharacteristic=_TypeAt(lambda op, i: _OPTIONAL if inputs[i].optional else _REQUIRED),
+        GetOutputCharacteristic=_TypeAt(lambda op, i: _OPTIONAL if outputs[i].optional else _REQUIRED),
+        GetInputMemoryType=_TypeAt(lambda op, i: 0),  # OrtMemTypeDefault: CPU memory
+        GetVariadicInputMinArity=_Int(lambda op: 1),
+        GetVariadicInputHomogeneity=_Int(lambda op: 1),
+        GetVariadicOutputMinArity=_Int(lambda op: 1),
+        GetVariadicOutputHomogeneity=_Int(lambda op: 1),
+        CreateKernelV2=_CreateKernelV2(create_kernel),
+        KernelComputeV2=_ComputeV2(compute_kernel),
+        GetStartVersion=_Int(lambda op: 1),
+        GetEndVersion=_Int(lambda op: 2**31 - 1),
+    )
+    op = _OrtCustomOp(version=OP_VERSION, KernelDestroy=ctypes.cast(_LIBC.free, _P).value, InferOutputShapeFn=None, **callbacks)
+    add = library.AddExternalCustomOp
+    add.argtypes, add.restype = [_P], ctypes.c_bool
+    if not add(ctypes.addressof(op)):
+        raise RuntimeError(f"onnxruntime-extensions refused custom op {declaration.name}")
+    _defined[declaration.name] = (op, name_buffer, callbacks)
+
+
+def forget_kernels(predicate: Callable[[object], bool]) -> None:
+    """Drop the kernel objects ``predicate`` selects (their sessions are closed)."""
+    for number in [n for n, kernel in list(_kernels.items()) if predicate(kernel)]:
+        _kernels.pop(number, None)
+
+
+def _bind_api(address: int) -> None:
+    global _api
+    if _api is None:
+        with _api_lock:
+            if _api is None:
+                _api = _Api(address)
+
+
+def _status(message: str) -> int:
+    return _api.CreateStatus(_ORT_FAIL, message.encode(errors="replace"))
+
+
+def _attributes(info: int, wanted) -> dict:
+    """The node's attributes among ``wanted`` (name, type); absent ones are left out."""
+    found = {}
+    for name, kind in wanted:
+        key = name.encode()
+        if kind is int:
+            out = ctypes.c_int64()
+            status = _api.KernelInfoGetAttribute_int64(info, key, ctypes.addressof(out))
+        elif kind is float:
+            out = ctypes.c_float()
+            status = _api.KernelInfoGetAttribute_float(info, key, ctypes.addressof(out))
+        else:
+            size = _SIZE(0)
+            status = _api.KernelInfoGetAttribute_string(info, key, None, ctypes.addressof(size))
+            if not status:
+                out = ctypes.create_string_buffer(size.value)
+                status = _api.KernelInfoGetAttribute_string(info, key, ctypes.addressof(out), ctypes.addressof(size))
+        if status:  # absent (or of another type: the caller's rules say what that means)
+            _api.ReleaseStatus(status)
+            continue
+        found[name] = out.value.decode() if kind is str else out.value
+    return found
