@@ -16,7 +16,7 @@ Each case is (kv_check, way, capacity, history):
   the GPU, later steps find it resident.
 
 Per case, medians over --steps steps: the whole ``run``; inside the op, its host time (the
-op's wall time minus its wait for the GPU); the GPU time of its dispatches (timestamps,
+op's wall time minus its wait for the GPU; its phases are printed after the table); the GPU time of its dispatches (timestamps,
 from a second session over the same past, medians over at most 10 steps: timestamps add a
 pass per dispatch and host work, so the timed steps run without them, as a user's do);
 ORT's CPU kernel on the same shapes and history with shared buffers (``--no-ort`` skips
@@ -88,6 +88,7 @@ class Row:
     record_fraction: float
     sm_mhz_run: float | None = None  # the GPU's SM clock after the timed steps (median; NVML)
     sm_mhz_gpu: float | None = None  # and after the timestamped session's steps
+    phases_us: dict | None = None  # the op's phases (CallStats.phases), medians in microseconds
 
     def cells(self) -> list[str]:
         def ms(value):
@@ -194,12 +195,14 @@ def run_case(kv_check: str, way: str, capacity: int, history: int, args, rng, cl
     decoder = Decoder(session, capacity, history, way, rng)
     for _ in range(WARMUP_STEPS):  # the first step brings the history to the GPU
         decoder.step()
-    runs, hosts, clocks = [], [], []
+    runs, hosts, clocks, phases = [], [], [], []
     for _ in range(args.steps):
         runs.append(decoder.step())
         clocks.append(clock.read())  # after the step's run: outside its timing
         stats = node_stats(session)
-        hosts.append(stats.seconds - stats.phases["wait_read"])
+        phases.append(stats.phases)
+        # The op's host time: the bridge's reading and writing of tensors, the executor's call, less its wait.
+        hosts.append(stats.seconds + stats.phases["inputs"] + stats.phases["outputs"] - stats.phases["wait_read"])
     executor = get_executor()
     key = next(k for k in executor.node_keys() if k.startswith(session.sparse_attention_token))
     record_bytes = executor.node_state(key).cache.record.nbytes
@@ -214,7 +217,7 @@ def run_case(kv_check: str, way: str, capacity: int, history: int, args, rng, cl
     del decoder
     return Row(kv_check, way, capacity, history, statistics.median(runs) * 1e3, statistics.median(hosts) * 1e3,
                statistics.median(gpus) * 1e3 if gpus else None, ort_ms, identity_ms, record_bytes / cache_bytes, median_mhz(clocks),
-               median_mhz(gpu_clocks))
+               median_mhz(gpu_clocks), {name: round(statistics.median(p[name] for p in phases) * 1e6) for name in phases[0]})
 
 
 def prefill_case(kv_check: str, length: int, args, rng, clock: SmClock) -> dict:
@@ -333,6 +336,8 @@ def main() -> int:
             measured.append(row)
             print("| " + " | ".join(row.cells()) + " |", flush=True)
         rounds.append(measured)
+        print("\nthe op's phases per step (us, medians): " + "; ".join(
+            f"{row.kv_check}/{row.way}/{row.capacity}/{row.history}: " + ", ".join(f"{k} {v}" for k, v in row.phases_us.items()) for row in measured))
     if args.rounds > 1:
         print_round_medians(rounds)
     prefills = []

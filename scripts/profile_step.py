@@ -7,9 +7,9 @@
 
 Runs decode steps of one SparseAttention node (Phi-3-small shape, batch 1, float32, as
 scripts/bench_decode.py does) with ORT's profiler on, then prints per node type the median
-time per step (ORT's own "Node" events: kernel time, the PyOps' Python included), the rest
-of ``run`` (ORT's overhead between nodes, binding), and the kernel op's phases. Use it
-before optimising: it says whether the time is in native nodes, the bridge or the GPU call.
+time per step (ORT's own "Node" events: kernel time, the op's Python included), the rest
+of ``run`` (ORT's overhead between nodes, binding), and the op's phases. Use it before
+optimising: it says whether the time is in ORT, the bridge or the GPU call.
 """
 
 from __future__ import annotations
@@ -95,31 +95,31 @@ def profile(kv_check: str, way: str, capacity: int, history: int, steps: int, rn
         print(f"| {op} | {len(durations) / max(runs_profiled, 1):.0f} | {us:.1f} |")
     model_run = statistics.median(e["dur"] for e in per_run) if per_run else 0
     print(f"| (model_run, median) | | {model_run:.1f} |\n| (between nodes) | | {model_run - total:.1f} |")
-    print("\nkernel op phases (us, median): " + ", ".join(f"{k} {statistics.median(v) * 1e6:.0f}" for k, v in phases.items()))
+    print("\nthe op's phases (us, median): " + ", ".join(f"{k} {statistics.median(v) * 1e6:.0f}" for k, v in phases.items()))
     if passes:
         print("GPU passes (us, median): " + ", ".join(f"{k} {statistics.median(v) * 1e6:.0f}" for k, v in passes.items()))
 
 
 def timeline(kv_check: str, way: str, capacity: int, history: int, steps: int, rng) -> None:
     """Decode steps without ORT's profiler: where ``run``'s time goes around and inside the
-    bridge's PyOps (two where the node has no check op: exact nodes, and fast nodes whose
-    pasts the session reads in place, as here), from clock marks at the
-    entry and exit of each (the bridge's invocation hook, wrapped). The gaps are ORT's native
-    nodes and the bridge's copies between the ops."""
-    from sparse_attention_op import _ortx_compat, bridge
+    bridge's op, from clock marks at the entry and exit of its Python body (bridge._compute,
+    wrapped). Before it: ORT's run set-up and the custom op's call into Python; after it:
+    the return into ORT and ORT's end of the run."""
+    from sparse_attention_op import bridge
 
     marks = []
+    body = bridge._compute
 
-    def hook(k_id, feed, attributes):
+    def marked(kernel, context):
         entered = time.perf_counter_ns()
-        outputs = bridge._invoke(k_id, feed, attributes)
-        marks.append((k_id, entered, time.perf_counter_ns()))
-        return outputs
+        try:
+            body(kernel, context)
+        finally:
+            marks.append((entered, time.perf_counter_ns()))
 
     session = sao.create_session(model_for(capacity, rng), kv_check=kv_check)
-    _ortx_compat.install_invocation_hook(hook)
+    bridge._compute = marked
     try:
-        names = {k: op.opdef.body.__name__ for k, op in bridge._array_ops.items()}
         driver = Decoder(session, capacity, history, way, rng)
         for _ in range(WARMUP_STEPS):
             driver.step()
@@ -129,22 +129,15 @@ def timeline(kv_check: str, way: str, capacity: int, history: int, steps: int, r
             seconds = driver.step()  # run_with_iobinding (or run) alone
             end = time.perf_counter_ns()
             start = end - int(seconds * 1e9)  # run's start, up to the few steps after it returned
-            op = {names[k]: (a, b) for k, a, b in marks}
-            (p0, p1), (k0, k1) = op["plan_op"], op["kernel_op"]
-            spans = [("run", end - start), ("run to plan", p0 - start), ("plan", p1 - p0)]
-            if "check_op" in op:  # fast nodes of graphs that keep the check op
-                c0, c1 = op["check_op"]
-                spans += [("plan to check", c0 - p1), ("check", c1 - c0), ("check to kernel", k0 - c1)]
-            else:
-                spans.append(("plan to kernel", k0 - p1))
-            for name, ns in spans + [("kernel", k1 - k0), ("kernel to end", end - k1)]:
+            ((k0, k1),) = marks
+            for name, ns in (("run", end - start), ("run to op", k0 - start), ("op", k1 - k0), ("op to end", end - k1)):
                 rows[name].append(ns / 1e3)
             for name, seconds in node_stats(session).phases.items():
-                rows[f"kernel: {name}"].append(seconds * 1e6)
+                rows[f"op: {name}"].append(seconds * 1e6)
     finally:
-        _ortx_compat.install_invocation_hook(bridge._invoke)
+        bridge._compute = body
     print(f"\n### timeline: {kv_check}, {way}, capacity {capacity}, history {history} (medians of {steps} steps; the "
-          "step's run includes the hook's clock reads)\n")
+          "step's run includes the marks' clock reads)\n")
     print("| span | us |\n|---|---|")
     for name, values in rows.items():
         print(f"| {name} | {statistics.median(values):.0f} |")
@@ -160,7 +153,7 @@ def main() -> int:
     parser.add_argument("--history", type=non_negative, default=8152)
     parser.add_argument("--steps", type=positive, default=20)
     parser.add_argument("--prefill", type=non_negative, default=0, help="profile prompts of this length instead of decode steps")
-    parser.add_argument("--timeline", action="store_true", help="decode steps without ORT's profiler: time around and inside the bridge's ops")
+    parser.add_argument("--timeline", action="store_true", help="decode steps without ORT's profiler: time around and inside the bridge's op")
     args = parser.parse_args()
     if not args.prefill and args.history + WARMUP_STEPS + args.steps > args.capacity:
         parser.error(f"--history {args.history}, {WARMUP_STEPS} warm-up steps and --steps {args.steps} must fit --capacity "

@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -224,6 +225,7 @@ def compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
 
 
 def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
+    start = time.perf_counter()
     tensors = [context.input(i) for i in range(len(INPUT_NAMES))]
     shapes = tuple(None if tensors[i] is None else tensors[i].shape for i in _SHAPED_SLOTS)
     shape = _describe(kernel.attributes, shapes, tensors[_TOTAL], tensors[_KEY_TOTALS])
@@ -255,10 +257,11 @@ def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
     # output straight into ORT's buffer where the types agree (no host copy of it at all)
     output = context.output(0, shape.output_shape)
     direct = output if output is not None and not kernel.float16 else None
+    inputs_done = time.perf_counter()
     result = executor.run(call, kernel.node_key, _settings(kernel), reuse_host_arrays=True, output=direct)
+    outputs_start = time.perf_counter()
     if output is not None and direct is None:
         output[...] = result.output
-    records.record_stats(kernel.token, kernel.node_key, result.stats)
 
     new_rows = {"key": result.new_key if rotary else _new_rows(shape, tensors, "key"), "value": _new_rows(shape, tensors, "value")}
     for index, past, which in ((1, past_key, "key"), (2, past_value, "value")):
@@ -268,6 +271,9 @@ def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
         if present.ctypes.data != past.ctypes.data:  # not one buffer with the past: a copy of it first
             np.copyto(present, past)
         write_rows(present, shape, new_rows[which])
+    phases = result.stats.phases
+    phases["inputs"], phases["outputs"] = inputs_done - start, time.perf_counter() - outputs_start
+    records.record_stats(kernel.token, kernel.node_key, result.stats)
 
 
 def _same(array):

@@ -112,8 +112,19 @@ class _Scratch(threading.local):
 _scratch = _Scratch()
 
 
+#: Views made, by (pointer, shape, dtype, writeable): a decode loop hands the same buffers
+#: (bound caches, ORT's reused allocations) every step, and a view is the same whenever its
+#: pointer and shape are. One of memory freed since is never read: it is handed out only
+#: for a tensor that lies at that address, with that shape, in the run at hand.
+_views: dict[tuple, np.ndarray] = {}
+
+
 def view(pointer: int, shape: tuple[int, ...], dtype: np.dtype, writeable: bool) -> np.ndarray:
     """A numpy array over ``pointer`` (no copy)."""
+    key = (pointer, shape, dtype, writeable)
+    array = _views.get(key)
+    if array is not None:
+        return array
     count = 1
     for dim in shape:
         count *= dim
@@ -123,6 +134,9 @@ def view(pointer: int, shape: tuple[int, ...], dtype: np.dtype, writeable: bool)
         array = np.frombuffer((ctypes.c_char * (count * dtype.itemsize)).from_address(pointer), dtype).reshape(shape)
     if not writeable:
         array.flags.writeable = False
+    if len(_views) >= 1024:
+        _views.clear()
+    _views[key] = array
     return array
 
 

@@ -73,7 +73,9 @@ class CallStats:
     upload_bytes: int = 0
     history_rows_compared: int = 0
     history_rows_uploaded: int = 0
-    #: Host time of the call's phases (seconds), to see where a call's time goes.
+    #: Host time of the call's phases (seconds), to see where a call's time goes: the
+    #: executor's (sync, prepare, encode_submit, wait_read, record) and, in a session, the
+    #: bridge's before and after it (inputs: reading and checking them; outputs: writing them).
     phases: dict = field(default_factory=dict)
     #: The GPU's fast check found a probed row that differs from the cache, so the call ran
     #: again after the exact check (these stats are the second run's).
