@@ -55,7 +55,6 @@ BRIDGE_FORMAT = 3
 #: Attributes prepare_model stamps on each node, besides the operator's own.
 NODE_KEY_ATTRIBUTE = "sao_node_key"  # "<session token>/<node identity>"
 KV_CHECK_ATTRIBUTE = "sao_kv_check"  # "exact" or "fast"
-LAYOUT_ATTRIBUTE = "sao_layout"  # "constant" (an initializer) or "per_call"
 KV_CHECKS = ("exact", "fast")
 
 
@@ -68,7 +67,7 @@ def require_kv_check(kv_check, error: type[Exception] = ValueError) -> None:
 
 _ATTRIBUTES = (
     ("num_heads", int), ("kv_num_heads", int), ("sparse_block_size", int), ("scale", float), ("do_rotary", int),
-    ("rotary_interleaved", int), (NODE_KEY_ATTRIBUTE, str), (KV_CHECK_ATTRIBUTE, str), (LAYOUT_ATTRIBUTE, str),
+    ("rotary_interleaved", int), (NODE_KEY_ATTRIBUTE, str), (KV_CHECK_ATTRIBUTE, str),
 )
 _QUERY, _KEY, _VALUE, _PAST_KEY, _PAST_VALUE, _ROWS, _COLS, _TOTAL, _KEY_TOTALS, _COS, _SIN = range(len(INPUT_NAMES))
 _OPTIONAL = (_KEY, _VALUE, _COS, _SIN)
@@ -141,7 +140,7 @@ class NodeKernel:
     node_key: str
     dtype: np.dtype  # the node's T
     kv_check: str
-    constant_layout: bool
+    constant_layout: bool  # the layout's two tensors are initializers (the executor keeps it once seen)
 
     @property
     def token(self) -> str:
@@ -153,7 +152,7 @@ class NodeKernel:
 
 
 def _kernel_factory(dtype: np.dtype):
-    def create(attributes: dict) -> NodeKernel:
+    def create(attributes: dict, constant_inputs: set) -> NodeKernel:
         raw = dict(attributes)
         kv_check = raw.pop(KV_CHECK_ATTRIBUTE, "exact")
         if kv_check not in KV_CHECKS:
@@ -163,7 +162,7 @@ def _kernel_factory(dtype: np.dtype):
             node_key=raw.pop(NODE_KEY_ATTRIBUTE, "") or "unnamed/unnamed",
             dtype=dtype,
             kv_check=kv_check,
-            constant_layout=raw.pop(LAYOUT_ATTRIBUTE, "per_call") == "constant",
+            constant_layout={_ROWS, _COLS} <= constant_inputs,
         )
 
     return create

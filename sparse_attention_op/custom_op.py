@@ -13,7 +13,8 @@ ordinary ORT error status (a PyOp's escaping exception aborted the process).
 What ORT calls, and when:
 
 * ``CreateKernelV2``, once per node when a session is created: the op's ``create`` function
-  turns the node's attributes into a kernel object (its exception fails the session).
+  turns the node's attributes into a kernel object (its exception fails the session), and
+  the inputs that are constants of the model are located once for all its calls.
 * ``KernelComputeV2``, per run: ``compute(kernel, context)``, where the
   :class:`KernelContext` reads inputs and allocates outputs.
 * ``KernelDestroy`` with the session: libc's ``free`` of the handle, a native function, so no
@@ -73,6 +74,8 @@ class _Api:
         93: ("ReleaseStatus", None, (_P,)),
         99: ("ReleaseTensorTypeAndShapeInfo", None, (_P,)),
         2: ("GetErrorMessage", ctypes.c_char_p, (_P,)),
+        230: ("KernelInfo_GetInputCount", _P, (_P, _P)),  # API 14 on
+        249: ("KernelInfoGetConstantInput_tensor", _P, (_P, _SIZE, _P, _P)),  # API 15 on
     }
 
     def __init__(self, address: int):
@@ -140,14 +143,33 @@ def view(pointer: int, shape: tuple[int, ...], dtype: np.dtype, writeable: bool)
     return array
 
 
+def _locate(value: int, index: int) -> tuple[int, tuple[int, ...]]:
+    """Where a tensor OrtValue's data lies, and its shape."""
+    s, api = _scratch, _api
+    _, info, count, data, _ = s.addresses
+    _check(api.GetTensorTypeAndShape(value, info))
+    try:
+        _check(api.GetDimensionsCount(s.info.value, count))
+        rank = s.count.value
+        if rank > _MAX_RANK:
+            raise OrtStatusError(f"input {index} has rank {rank}, more than {_MAX_RANK}")
+        _check(api.GetDimensions(s.info.value, s.dims, rank))
+        shape = tuple(s.dims[:rank])
+    finally:
+        api.ReleaseTensorTypeAndShapeInfo(s.info.value)
+    _check(api.GetTensorMutableData(value, data))
+    return s.data.value, shape
+
+
 class KernelContext:
     """One run of one node: its inputs as read-only views of ORT's tensors, its outputs as
-    writable views of the buffers ORT allocates (or the caller bound) for them."""
+    writable views of the buffers ORT allocates (or the caller bound) for them. Constant
+    inputs (initializers) were located once, when the node's kernel was created."""
 
-    __slots__ = ("_context", "_scratch", "_declaration", "_inputs", "_outputs")
+    __slots__ = ("_context", "_scratch", "_declaration", "_constants", "_inputs", "_outputs")
 
-    def __init__(self, context: int, declaration: OpDeclaration):
-        self._context, self._scratch, self._declaration = context, _scratch, declaration
+    def __init__(self, context: int, declaration: OpDeclaration, constants: dict[int, np.ndarray]):
+        self._context, self._scratch, self._declaration, self._constants = context, _scratch, declaration, constants
         self._inputs = self._outputs = None
 
     def input_count(self) -> int:
@@ -166,6 +188,9 @@ class KernelContext:
 
     def input(self, index: int) -> np.ndarray | None:
         """Input ``index`` as a read-only view, or None where the node leaves it out."""
+        constant = self._constants.get(index)
+        if constant is not None:
+            return constant
         located = self.input_pointer(index)
         if located is None:
             return None
@@ -175,24 +200,13 @@ class KernelContext:
     def input_pointer(self, index: int) -> tuple[int, tuple[int, ...]] | None:
         """Where input ``index`` lies and its shape, or None where the node leaves it out."""
         s, api = self._scratch, _api
-        value, info, count, data, _ = s.addresses
+        value = s.addresses[0]
         if index >= self.input_count():
             return None
         _check(api.KernelContext_GetInput(self._context, index, value))
         if not s.value.value:
             return None
-        _check(api.GetTensorTypeAndShape(s.value.value, info))
-        try:
-            _check(api.GetDimensionsCount(s.info.value, count))
-            rank = s.count.value
-            if rank > _MAX_RANK:
-                raise OrtStatusError(f"input {index} has rank {rank}, more than {_MAX_RANK}")
-            _check(api.GetDimensions(s.info.value, s.dims, rank))
-            shape = tuple(s.dims[:rank])
-        finally:
-            api.ReleaseTensorTypeAndShapeInfo(s.info.value)
-        _check(api.GetTensorMutableData(s.value.value, data))
-        return s.data.value, shape
+        return _locate(s.value.value, index)
 
     def output(self, index: int, shape: tuple[int, ...]) -> np.ndarray | None:
         """ORT's buffer for output ``index`` with ``shape`` (a bound output is that buffer,
@@ -287,12 +301,13 @@ _kernels: dict[int, object] = {}
 _defined: dict[str, tuple] = {}
 
 
-def define(declaration: OpDeclaration, create: Callable[[dict], object],
+def define(declaration: OpDeclaration, create: Callable[[dict, set], object],
            compute: Callable[[object, KernelContext], None], library) -> None:
     """Add an op to onnxruntime-extensions' library (``library``: its loaded ctypes handle),
     so that every session registering that library from now on runs it. ``create(attributes)``
     makes a node's kernel object; ``compute(kernel, context)`` runs one call and raises on a
-    bad input (the exception's text becomes ORT's error). One definition per name per process."""
+    bad input (the exception's text becomes ORT's error). ``create`` is also told which
+    inputs are constants of the model (a set of input indices). One definition per name per process."""
     if declaration.name in _defined:
         raise ValueError(f"custom op {declaration.name} is defined already")
     name = declaration.name.encode()
@@ -301,11 +316,12 @@ def define(declaration: OpDeclaration, create: Callable[[dict], object],
     def create_kernel(op, api, info, handle_out):
         try:
             _bind_api(api)
-            kernel = create(_attributes(info, declaration.attributes))
+            constants = _constant_inputs(info, declaration)
+            kernel = create(_attributes(info, declaration.attributes), set(constants))
             number = next(_handles)
             handle = _LIBC.malloc(8)
             ctypes.c_int64.from_address(handle).value = number
-            _kernels[number] = kernel
+            _kernels[number] = (kernel, constants)
             handle_out[0] = handle
             return None
         except BaseException as error:  # noqa: BLE001 - nothing may escape into ORT
@@ -313,7 +329,8 @@ def define(declaration: OpDeclaration, create: Callable[[dict], object],
 
     def compute_kernel(handle, context):
         try:
-            compute(_kernels[ctypes.c_int64.from_address(handle).value], KernelContext(context, declaration))
+            kernel, constants = _kernels[ctypes.c_int64.from_address(handle).value]
+            compute(kernel, KernelContext(context, declaration, constants))
             return None
         except BaseException as error:  # noqa: BLE001 - nothing may escape into ORT
             return _status(str(error) or type(error).__name__)
@@ -350,7 +367,7 @@ def define(declaration: OpDeclaration, create: Callable[[dict], object],
 
 def forget_kernels(predicate: Callable[[object], bool]) -> None:
     """Drop the kernel objects ``predicate`` selects (their sessions are closed)."""
-    for number in [n for n, kernel in list(_kernels.items()) if predicate(kernel)]:
+    for number in [n for n, (kernel, _) in list(_kernels.items()) if predicate(kernel)]:
         _kernels.pop(number, None)
 
 
@@ -364,6 +381,20 @@ def _bind_api(address: int) -> None:
 
 def _status(message: str) -> int:
     return _api.CreateStatus(_ORT_FAIL, message.encode(errors="replace"))
+
+
+def _constant_inputs(info: int, declaration: OpDeclaration) -> dict[int, np.ndarray]:
+    """The node's inputs that are constants of the model (initializers), as read-only views
+    of the tensors the session owns (they neither move nor change while it lives)."""
+    count, is_constant, value = _SIZE(), ctypes.c_int(), _P()
+    _check(_api.KernelInfo_GetInputCount(info, ctypes.addressof(count)))
+    constants = {}
+    for index in range(min(count.value, len(declaration.inputs))):
+        _check(_api.KernelInfoGetConstantInput_tensor(info, index, ctypes.addressof(is_constant), ctypes.addressof(value)))
+        if is_constant.value and value.value:
+            pointer, shape = _locate(value.value, index)
+            constants[index] = view(pointer, shape, NUMPY_TYPES[declaration.inputs[index].element_type], writeable=False)
+    return constants
 
 
 def _attributes(info: int, wanted) -> dict:

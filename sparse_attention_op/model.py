@@ -143,11 +143,9 @@ def _plan(node, node_key: str, kv_check: str, types: dict, constants: set, *grap
         if elem != TensorProto.INT32:
             raise SparseAttentionError(f"{label}: input '{name}' must be int32, got {TensorProto.DataType.Name(elem)}")
     layout = (named["block_row_indices"], named["block_col_indices"])
-    constant_layout = all(name in constants for name in layout)
-    if constant_layout:
+    if all(name in constants for name in layout):  # checked once here, not per call
         _check_constant_layout(label, layout, graphs)
-    return NodePlan(node=node, attributes=attributes, node_key=node_key, kv_check=kv_check, float16=float16,
-                    constant_layout=constant_layout)
+    return NodePlan(node=node, attributes=attributes, node_key=node_key, kv_check=kv_check, float16=float16)
 
 
 def _float_type(label: str, named: dict, types: dict) -> int:

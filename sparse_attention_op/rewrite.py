@@ -3,9 +3,9 @@
 The bridge's op (bridge.py) takes the operator's eleven inputs and gives its three outputs
 as they are, so the rewrite changes only what names the node's implementation: the op type
 and domain (``ai.onnx.contrib::SparseAttentionWebGPU``, or ``...Float16`` for a float16
-node), and the attributes that say which GPU state the node owns (its identity), how it
-checks the past it is fed, and whether its layout is a constant of the model. The graph
-around it, and its inputs and outputs, stay as the model has them.
+node), and the attributes that say which GPU state the node owns (its identity) and how it
+checks the past it is fed. The graph around it, and its inputs and outputs, stay as the
+model has them.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from .bridge import BRIDGE_DOMAIN, KV_CHECK_ATTRIBUTE, LAYOUT_ATTRIBUTE, NODE_KEY_ATTRIBUTE, OP_TYPES
+from .bridge import BRIDGE_DOMAIN, KV_CHECK_ATTRIBUTE, NODE_KEY_ATTRIBUTE, OP_TYPES
 from .spec import OpAttributes
 
 
@@ -29,7 +29,6 @@ class NodePlan:
     node_key: str
     kv_check: str
     float16: bool
-    constant_layout: bool
 
 
 def expand(plan: NodePlan) -> onnx.NodeProto:
@@ -47,6 +46,5 @@ def expand(plan: NodePlan) -> onnx.NodeProto:
         scale=float(attrs.scale),
         do_rotary=int(attrs.do_rotary),
         rotary_interleaved=int(attrs.rotary_interleaved),
-        **{NODE_KEY_ATTRIBUTE: plan.node_key, KV_CHECK_ATTRIBUTE: plan.kv_check,
-           LAYOUT_ATTRIBUTE: "constant" if plan.constant_layout else "per_call"},
+        **{NODE_KEY_ATTRIBUTE: plan.node_key, KV_CHECK_ATTRIBUTE: plan.kv_check},
     )

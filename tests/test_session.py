@@ -11,7 +11,7 @@ from onnxruntime_extensions import get_library_path
 
 import sparse_attention_op as sao
 from helpers import assert_close, assert_matches_reference, graph_feeds, run_in_threads, run_ort_cpu
-from sparse_attention_op.bridge import BRIDGE_DOMAIN, BRIDGE_FORMAT, KV_CHECK_ATTRIBUTE, LAYOUT_ATTRIBUTE, NODE_KEY_ATTRIBUTE, OP_TYPES
+from sparse_attention_op.bridge import BRIDGE_DOMAIN, BRIDGE_FORMAT, KV_CHECK_ATTRIBUTE, NODE_KEY_ATTRIBUTE, OP_TYPES
 from sparse_attention_op.demo import build_demo_model, reference_step
 from sparse_attention_op.graphs import sparse_attention_model
 from sparse_attention_op.inputs import CaseConfig, random_inputs
@@ -44,7 +44,7 @@ def test_prepare_model_replaces_the_node_by_the_bridge_op(rng, dtype):
     assert [n.op_type for n in prepared.graph.node] == [OP_TYPES[np.dtype(dtype)]], "one node, nothing around it"
     attrs = node_attributes(kernel)
     assert attrs["scale"] == 0.0 and attrs["do_rotary"] == 0 and attrs["rotary_interleaved"] == 0
-    assert attrs[KV_CHECK_ATTRIBUTE] == b"fast" and attrs[LAYOUT_ATTRIBUTE] == b"constant"
+    assert attrs[KV_CHECK_ATTRIBUTE] == b"fast"
     assert attrs[NODE_KEY_ATTRIBUTE].decode().endswith(":sparse_attention")
     # The node's inputs and outputs, and the graph's interface, are unchanged.
     assert list(kernel.input) == list(node.input) and list(kernel.output) == list(node.output)
@@ -75,10 +75,22 @@ def test_a_prepared_model_is_refused(rng):
         sao.prepare_model(older)
 
 
-def test_prepare_model_marks_graph_input_layouts_per_call(rng):
-    model, _ = model_and_inputs(CaseConfig(), rng, constants=())
-    kernel = bridge_nodes(sao.prepare_model(model))[0]
-    assert node_attributes(kernel)[LAYOUT_ATTRIBUTE] == b"per_call"
+@pytest.mark.gpu
+def test_constant_inputs_are_located_once_per_node(executor, rng):
+    """Inputs that are initializers are located when the session makes the node's kernel
+    (the session owns them: they neither move nor change); graph inputs on every call."""
+    from sparse_attention_op import custom_op
+
+    config = CaseConfig(seq_len=3, do_rotary=True)
+    for constants, expected in ((LAYOUT + ("cos_cache", "sin_cache"), [5, 6, 9, 10]), ((), [])):
+        model, inputs = model_and_inputs(config, rng, constants=constants)
+        session = sao.create_session(model)
+        ((kernel, located),) = [entry for entry in custom_op._kernels.values() if entry[0].token == session.sparse_attention_token]
+        assert sorted(located) == expected and kernel.constant_layout == bool(expected)
+        for index in expected:
+            name = ("block_row_indices", "block_col_indices", "cos_cache", "sin_cache")[expected.index(index)]
+            assert np.array_equal(located[index], inputs[name]) and not located[index].flags.writeable
+        assert_matches_reference(session.run(None, graph_feeds(session, inputs)), inputs, config.node_attributes())
 
 
 def test_prepare_model_refuses_a_bad_constant_layout(rng):
@@ -372,7 +384,7 @@ def test_a_closed_session_leaves_no_kernels(executor, rng):
     session = sao.create_session(model)
     session.run(None, graph_feeds(session, inputs))
     token = session.sparse_attention_token
-    assert any(kernel.token == token for kernel in custom_op._kernels.values())
+    assert any(kernel.token == token for kernel, _ in custom_op._kernels.values())
     del session
     gc.collect()
-    assert not any(kernel.token == token for kernel in custom_op._kernels.values())
+    assert not any(kernel.token == token for kernel, _ in custom_op._kernels.values())
