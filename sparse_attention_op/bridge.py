@@ -38,7 +38,7 @@ import numpy as np
 from . import _ortx_compat, custom_op
 from .cache_record import chunk_rows_for, model_itemsize, probe_chunks
 from .custom_op import FLOAT, FLOAT16, INT32, OpDeclaration, Slot
-from .presents import write_rows
+from .presents import copy_past, write_rows
 from .spec import INPUT_NAMES, SHAPED_INPUTS, CallShape, OpAttributes, ShapeFacts, SparseAttentionError, assemble_call, describe_lengths, describe_shapes
 
 #: Domain of the bridge's op: onnxruntime-extensions' own, under which its library
@@ -268,7 +268,7 @@ def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
         if present is None:
             continue
         if present.ctypes.data != past.ctypes.data:  # not one buffer with the past: a copy of it first
-            np.copyto(present, past)
+            copy_past(present, past)
         write_rows(present, shape, new_rows[which])
     phases = result.stats.phases
     phases["inputs"], phases["outputs"] = inputs_done - start, time.perf_counter() - outputs_start

@@ -9,14 +9,21 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import host_threads
 from .spec import CallShape
 
 
 def write_rows(present: np.ndarray, shape: CallShape, rows: np.ndarray) -> None:
     """Write ``rows`` (batch, kv heads, sequence, head) at rows ``[past_b, past_b + sequence)``
-    of each batch row ``b`` of ``present``; nothing else changes."""
+    of each batch row ``b`` of ``present``; nothing else changes. A prompt's rows are copied
+    over the host's threads (kv heads split among them)."""
     for b, start in enumerate(shape.past_lengths):  # plain ints: a decode step's path
-        present[b, :, start : start + shape.seq_len] = rows[b]
+        host_threads.copy(present[b, :, start : start + shape.seq_len], rows[b])
+
+
+def copy_past(present: np.ndarray, past: np.ndarray) -> None:
+    """present[...] = past (both C-contiguous, as ORT's tensors are), over the host's threads."""
+    host_threads.copy(present.reshape(-1), past.reshape(-1))
 
 
 def scatter_presents(past_key: np.ndarray, past_value: np.ndarray, shape: CallShape, new_key: np.ndarray, new_value: np.ndarray):
