@@ -253,23 +253,24 @@ def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
         float16_storage=kernel.float16,
         probe_chunks=probes,
     )
-    # output straight into ORT's buffer where the types agree (no host copy of it at all)
+    # Every output buffer before any GPU work: a bound output of the wrong shape is ORT's
+    # error at this point, with nothing done. The output goes straight into ORT's buffer
+    # where the types agree (no host copy of it at all).
     output = context.output(0, shape.output_shape)
+    presents = [context.output(index, shape.cache_shape) for index in (1, 2)]
     direct = output if output is not None and not kernel.float16 else None
     inputs_done = time.perf_counter()
     result = executor.run(call, kernel.node_key, _settings(kernel), reuse_host_arrays=True, output=direct)
     outputs_start = time.perf_counter()
     if output is not None and direct is None:
         output[...] = result.output
-
-    new_rows = {"key": result.new_key if rotary else _new_rows(shape, tensors, "key"), "value": _new_rows(shape, tensors, "value")}
-    for index, past, which in ((1, past_key, "key"), (2, past_value, "value")):
-        present = context.output(index, shape.cache_shape)
+    new_rows = (result.new_key if rotary else _new_rows(shape, tensors, "key"), _new_rows(shape, tensors, "value"))
+    for present, past, rows in zip(presents, (past_key, past_value), new_rows):
         if present is None:
             continue
         if present.ctypes.data != past.ctypes.data:  # not one buffer with the past: a copy of it first
             copy_past(present, past)
-        write_rows(present, shape, new_rows[which])
+        write_rows(present, shape, rows)
     phases = result.stats.phases
     phases["inputs"], phases["outputs"] = inputs_done - start, time.perf_counter() - outputs_start
     records.record_stats(kernel.token, kernel.node_key, result.stats)

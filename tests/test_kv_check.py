@@ -409,20 +409,26 @@ def test_rows_the_record_keeps_back_are_digested_as_the_cache_holds_them(executo
             assert np.array_equal(table[b, :, : expected.shape[1]], expected), (name, b)
 
 
-def test_wrongly_bound_output_raises_instead_of_aborting(executor, rng):
+@pytest.mark.parametrize("wrong", ["output", "present_key"])
+def test_wrongly_bound_output_raises_before_any_gpu_work(executor, rng, wrong):
     # IO binding whose output keeps the previous step's shape once killed the process.
-    generation = Generation(new_session(rng, "fast"), rng, "shared")
+    session = new_session(rng, "fast")
+    generation = Generation(session, rng, "shared")
     generation.step()
-    binding = generation.session.io_binding()
-    feeds = generation.feeds()
-    stale = ort.OrtValue.ortvalue_from_numpy(np.zeros((3, 6, CONFIG.num_heads * CONFIG.head_size), np.float32))
-    for name, value in feeds.items():
+    (node_key,) = [k for k in executor.node_keys() if k.startswith(session.sparse_attention_token)]
+    held = executor.node_state(node_key).cache.record.valid.copy()
+    binding = session.io_binding()
+    for name, value in generation.feeds().items():
         binding.bind_cpu_input(name, np.ascontiguousarray(value))
-    binding.bind_ortvalue_output("output", stale)
-    binding.bind_output("present_key")
-    binding.bind_output("present_value")
-    with pytest.raises(Exception, match="output|shape"):
-        generation.session.run_with_iobinding(binding)
+    shapes = {"output": (3, 6, CONFIG.num_heads * CONFIG.head_size), "present_key": generation.past[0][:, :, :-1].shape}
+    for name in ("output", "present_key", "present_value"):
+        if name == wrong:
+            binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(np.zeros(shapes[name], np.float32)))
+        else:
+            binding.bind_output(name)
+    with pytest.raises(Exception, match=re.escape(str(list(shapes[wrong])).replace("[", "{").replace("]", "}").replace(" ", ""))):
+        session.run_with_iobinding(binding)
+    assert np.array_equal(executor.node_state(node_key).cache.record.valid, held), "no GPU work before the outputs are known"
     generation.step()  # the session keeps working
 
 
