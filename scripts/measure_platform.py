@@ -2,7 +2,7 @@
 """Measure the platform facts the design rests on (docs/design.md sections 2 and 3).
 
     python scripts/measure_platform.py                 # everything, a few seconds
-    python scripts/measure_platform.py --only wgpu     # one group: wgpu, cold, ort, bridge, digest
+    python scripts/measure_platform.py --only wgpu     # one group: wgpu, cold, copies, bridge, digest
 
 Every figure is a median over repeated calls after a warm-up, printed as a markdown table
 with the machine and the command, so it can be pasted into the docs as it is.
@@ -13,9 +13,10 @@ with the machine and the command, so it can be pasted into the docs as it is.
 - cold: the executor's own recording of a decode call (a 173 KB input write, four dispatches,
   a copy, one submit, a map for read), back to back and with 4 or 64 MB of other memory read
   between calls: inside a decode step the caches are cold, and every call pays for it.
-- ort: the native ONNX Runtime nodes that build the presents and pass history rows
-  (Slice, Gather, ScatterND in place through IO binding and with a fresh output).
-- bridge: one call of a PyOp with small inputs (the onnxruntime-extensions round trip).
+- copies: a plain run's floor, ORT copying a cache (Identity) against the bridge's copy of a
+  past into its present.
+- bridge: one call of a custom op of custom_op.py that does nothing (ORT's call into Python
+  and back), with one input and with eleven, against a session of one Identity node.
 - digest: the per-chunk 64-bit digest of history rows the exact cache check computes.
 """
 
@@ -208,76 +209,63 @@ def _session(nodes, inputs, outputs, initializers=()):
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
-def measure_ort(capacities) -> None:
+def measure_copies(capacities) -> None:
+    """A plain run's floor: ORT copying a cache (Identity to a graph output) against the
+    bridge's copy of a past into its present (presents.copy_past, over the host's threads)."""
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
-    print(f"\n### ONNX Runtime {ort.__version__} native nodes, cache (1, 8, capacity, 128) float32\n\n| node | us (median) | note |\n|---|---|---|")
-    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    from sparse_attention_op.presents import copy_past
+
+    print(f"\n### A cache (1, 8, capacity, 128) float32 copied\n\n| copy | us (median) | note |\n|---|---|---|")
+    f32 = TensorProto.FLOAT
     for capacity in capacities:
         shape = [1, 8, capacity, 128]
         past = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
-        past_value = ort.OrtValue.ortvalue_from_numpy(past)
-        slicer = _session(
-            [helper.make_node("Slice", ["past", "zero", "end", "axis"], ["rows"])],
-            [helper.make_tensor_value_info("past", f32, shape), helper.make_tensor_value_info("end", i64, [1])],
-            [helper.make_tensor_value_info("rows", f32, None)],
-            [helper.make_tensor("zero", i64, [1], [0]), helper.make_tensor("axis", i64, [1], [2])],
-        )
-        for rows in sorted({min(100, capacity), min(1000, capacity), capacity - 40}):
-            def run_slice(rows=rows):
-                binding = slicer.io_binding()
-                binding.bind_ortvalue_input("past", past_value)
-                binding.bind_cpu_input("end", np.array([rows], np.int64))
-                binding.bind_output("rows")
-                slicer.run_with_iobinding(binding)
-
-            row(f"Slice {rows} history rows of capacity {capacity}", median_us(run_slice, 50))
-        scatter = _session(
-            [helper.make_node("ScatterND", ["past", "index", "rows"], ["present"])],
-            [helper.make_tensor_value_info("past", f32, shape), helper.make_tensor_value_info("index", i64, [1, 8, 1, 3]),
-             helper.make_tensor_value_info("rows", f32, [1, 8, 1, 128])],
-            [helper.make_tensor_value_info("present", f32, shape)],
-        )
-        index = np.zeros((1, 8, 1, 3), np.int64)
-        index[..., 1] = np.arange(8)[None, :, None]
-        index[..., 2] = capacity - 41
-        new_rows = np.ones((1, 8, 1, 128), np.float32)
-
-        def scatter_in_place():
-            binding = scatter.io_binding()
-            binding.bind_ortvalue_input("past", past_value)
-            binding.bind_cpu_input("index", index)
-            binding.bind_cpu_input("rows", new_rows)
-            binding.bind_ortvalue_output("present", past_value)
-            scatter.run_with_iobinding(binding)
-
-        row(f"ScatterND 1 row, in place (IO binding), capacity {capacity}", median_us(scatter_in_place, 100))
-        row(f"ScatterND 1 row, plain run (fresh present), capacity {capacity}", median_us(lambda: scatter.run(None, {"past": past, "index": index, "rows": new_rows}), 20))
-        identity = _session([helper.make_node("Identity", ["past"], ["present"])], [helper.make_tensor_value_info("past", f32, shape)], [helper.make_tensor_value_info("present", f32, shape)])
-        row(f"Identity, plain run, capacity {capacity}", median_us(lambda: identity.run(None, {"past": past}), 20))
+        present = np.empty_like(past)
+        identity = _session([helper.make_node("Identity", ["past"], ["present"])], [helper.make_tensor_value_info("past", f32, shape)],
+                            [helper.make_tensor_value_info("present", f32, shape)])
+        seconds = median_us(lambda: identity.run(None, {"past": past}), 20) * 1e-6
+        row(f"ORT Identity, plain run, capacity {capacity}", seconds * 1e6, f"{past.nbytes / seconds / 1e9:.1f} GB/s")
+        seconds = median_us(lambda: copy_past(present, past), 20) * 1e-6
+        row(f"presents.copy_past, capacity {capacity}", seconds * 1e6, f"{past.nbytes / seconds / 1e9:.1f} GB/s")
 
 
 def measure_bridge() -> None:
-    import onnxruntime as ort
+    """A custom op of custom_op.py (the bridge's mechanism) doing nothing, against a session
+    of one Identity node: ORT's call into Python and back, and locating inputs."""
+    import ctypes
+
     from onnx import TensorProto, helper
-    from onnxruntime_extensions import PyCustomOpDef, get_library_path
+    from onnxruntime_extensions import get_library_path
 
-    from sparse_attention_op.bridge import register_array_op
+    from sparse_attention_op import _ortx_compat, custom_op
+    from sparse_attention_op.session import session_options
 
-    register_array_op(lambda a, b: (np.zeros(2, np.int64),), op_type="SaoMeasureBridge", inputs=[PyCustomOpDef.dt_float, PyCustomOpDef.dt_int32], outputs=[PyCustomOpDef.dt_int64])
-    graph = helper.make_graph(
-        [helper.make_node("SaoMeasureBridge", ["a", "b"], ["c"], domain="ai.onnx.contrib")], "bridge",
-        [helper.make_tensor_value_info("a", TensorProto.FLOAT, None), helper.make_tensor_value_info("b", TensorProto.INT32, None)],
-        [helper.make_tensor_value_info("c", TensorProto.INT64, None)],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.contrib", 1)], ir_version=10)
-    options = ort.SessionOptions()
-    options.register_custom_ops_library(get_library_path())
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    feeds = {"a": np.zeros((1, 1, 4096), np.float32), "b": np.zeros(1, np.int32)}
-    print("\n### onnxruntime-extensions PyOp\n\n| call | us (median) | note |\n|---|---|---|")
-    row("session.run of one PyOp, 16 KiB + 4 B in, 16 B out", median_us(lambda: session.run(None, feeds), 500))
+    for count in (1, 11):
+        name = f"SaoMeasureBridge{count}"
+
+        def compute(kernel, context, count=count):
+            for index in range(count):
+                context.input(index)
+            context.output(0, (2,))[...] = 0
+
+        declaration = custom_op.OpDeclaration(name, tuple(custom_op.Slot(custom_op.FLOAT) for _ in range(count)),
+                                              (custom_op.Slot(custom_op.FLOAT),), ())
+        custom_op.define(declaration, lambda attributes, constants: None, compute, _ortx_compat.library())
+    inputs = [helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, None) for i in range(11)]
+    feeds = {f"x{i}": np.zeros((1, 1, 4096) if i == 0 else (1, 4), np.float32) for i in range(11)}
+    print("\n### The bridge's custom op (ctypes callbacks through onnxruntime-extensions)\n\n| call | us (median) | note |\n|---|---|---|")
+    for count, op in ((1, "SaoMeasureBridge1"), (11, "SaoMeasureBridge11"), (1, "Identity")):
+        node = helper.make_node(op, [f"x{i}" for i in range(count)], ["y"], domain="" if op == "Identity" else "ai.onnx.contrib")
+        graph = helper.make_graph([node], "bridge", inputs[:count], [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.contrib", 1)], ir_version=10)
+        import onnxruntime as ort
+
+        session = ort.InferenceSession(model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
+        call = {f"x{i}": feeds[f"x{i}"] for i in range(count)}
+        row(f"session.run of {op} with {count} input(s)", median_us(lambda: session.run(None, call), 500),
+            "the op reads every input's location" if op != "Identity" else "ORT alone")
 
 
 def measure_digest() -> None:
@@ -293,17 +281,17 @@ def measure_digest() -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", choices=["wgpu", "cold", "ort", "bridge", "digest"], nargs="*")
+    parser.add_argument("--only", choices=["wgpu", "cold", "copies", "bridge", "digest"], nargs="*")
     parser.add_argument("--capacities", type=positive, nargs="*", default=[8192, 131072])
     args = parser.parse_args()
-    groups = args.only or ["wgpu", "cold", "ort", "bridge", "digest"]
+    groups = args.only or ["wgpu", "cold", "copies", "bridge", "digest"]
     print(f"# {' '.join(sys.argv)}\n# {platform.node()} ({os.cpu_count()} CPUs), numpy {np.__version__}")
     if "wgpu" in groups:
         measure_wgpu()
     if "cold" in groups:
         measure_cold()
-    if "ort" in groups:
-        measure_ort(args.capacities)
+    if "copies" in groups:
+        measure_copies(args.capacities)
     if "bridge" in groups:
         measure_bridge()
     if "digest" in groups:

@@ -6,7 +6,7 @@ optionally ``position_ids``, and per layer ``past_key_values.{i}.key/value``; ou
 ``logits`` ([batch, seq, vocab]) and ``present.{i}.key/value``.
 
 Each layer's past and present are bound to one buffer of ``capacity`` rows (IO binding, as
-GenAI runs decoders): the model's native ScatterND nodes write the new rows in place, and no
+GenAI runs decoders): the op writes the new rows into that buffer in place, and no
 cache-sized tensor is copied per step (docs/design.md section 4).
 
 Padding. The SparseAttention contract counts a row's *first* ``key_total_sequence_lengths[b]``

@@ -4,8 +4,8 @@ For each SparseAttention node: its attributes and the inputs as the model declar
 (dtype, shape with symbolic dims, and whether a graph input, a constant or computed). For
 each layout: the density of every layout (selected causal blocks over all causal blocks,
 read with ORT's CSR rules, reference.block_mask) when the CSR is constant, "per call"
-when it is not. The placement: SparseAttention runs on WebGPU through the bridge's
-PyOps; every other node stays on ONNX Runtime's CPU kernels, counted by op type. And the
+when it is not. The placement: SparseAttention runs on WebGPU through the bridge's op;
+every other node stays on ONNX Runtime's CPU kernels, counted by op type. And the
 verdict: whether create_session loads the model, or the rule that makes it refuse.
 """
 
@@ -23,7 +23,7 @@ from .model import is_sparse_attention, load_constant_layouts, node_attributes, 
 from .model_files import ModelFiles
 from .spec import INPUT_NAMES, OUTPUT_NAMES, SparseAttentionError
 
-WEBGPU = "WebGPU (SparseAttention through the bridge's PyOps)"
+WEBGPU = "WebGPU (SparseAttention through the bridge's op)"
 ORT_CPU = "ONNX Runtime CPU"
 
 

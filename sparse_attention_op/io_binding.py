@@ -1,7 +1,7 @@
 """IO binding with past and present on one buffer, the way ORT GenAI runs decoders.
 
-Bound like this, the presents are written into the past's own buffer (in place: native
-ScatterND nodes write only the new rows), and no cache-sized tensor is copied per step.
+Bound like this, the presents are written into the past's own buffer (in place: the op
+writes only the new rows), and no cache-sized tensor is copied per step.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ def assert_matches_reference(outputs, inputs, attributes, what="", tol=TOLERANCE
 
 def run_executor(executor, inputs, attributes, node_key="test", float16_storage=False, **settings):
     """(output, present_key, present_value) of one executor call, presents built on the host
-    as the graph's ScatterND nodes build them; the call's stats as ``run_executor.last_stats``."""
+    as the bridge builds them; the call's stats as ``run_executor.last_stats``."""
     from sparse_attention_op.webgpu.executor import ExecutionSettings
 
     call = build_call(inputs, OpAttributes.from_mapping(attributes), float16_storage=float16_storage)

@@ -4,18 +4,18 @@ One call is one submit. The queue first receives the call's uploads (the query a
 key/value rows, the cos/sin rows of its positions, the history rows the resident cache
 lacks, the layout when it changed, the uniforms); then the dispatches the kernels module
 plans run; then one read-back brings the output, and the rotated new key rows when rotary
-is on. The presents are not built here: native ONNX Runtime nodes scatter the new rows into
-the caller's past (model.py), so no cache-sized tensor passes through Python.
+is on. The presents are not built here: the bridge writes the new rows into them
+(presents.py).
 
-A call that brings the fast check's probe chunks with the caller's past (read in place)
-has them compared with the cache on the GPU, in a first dispatch of the same submit; if any
-row differs, its output is dropped and the call runs again after the exact check.
+A call that brings the fast check's probe chunks with the caller's past has them compared
+with the cache on the GPU, in a first dispatch of the same submit; if any row differs, its
+output is dropped and the call runs again after the exact check.
 
 State lives per node and per calling thread (:class:`NodeState`): the resident KV cache
 and the record of what it holds, the layout buffer, cached bind groups. Per thread,
-because a call is two or three ops (plan, the fast check's op where the graph has one, the
-attention op) that must see the same state, and ONNX Runtime runs them all on the thread that called ``run``. All GPU
-work of the process goes through one lock: the device and queue are one resource.
+because each thread that runs a session feeds its own past (one sequence per thread), and
+ONNX Runtime runs a node on the thread that called ``run``. All GPU work of the process
+goes through one lock: the device and queue are one resource.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ class WebGPUExecutor:
         self.pipelines = PipelineCache(self.context.device)
         self.plans = BlockPlanCache()
         self._states: dict[tuple[str, int], NodeState] = {}
-        #: Layouts by node key, for nodes whose layout crosses the bridge only once.
+        #: Layouts by node key, for nodes whose layout is a constant (sent once).
         self._layouts: dict[str, BlockPlan] = {}
         self._scratch = BufferPool(self.context.device, self.context.max_binding_bytes)
         self._host_arrays: dict[tuple[str, int], np.ndarray] = {}
