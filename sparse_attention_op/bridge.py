@@ -259,18 +259,26 @@ def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
     output = context.output(0, shape.output_shape)
     presents = [context.output(index, shape.cache_shape) for index in (1, 2)]
     direct = output if output is not None and not kernel.float16 else None
+
+    def while_gpu_runs():
+        """The presents' parts that need no result of the GPU: the past's copy where the
+        present is a buffer of its own (a plain run), the value rows, and the key rows
+        unless the GPU rotates them."""
+        for present, past in zip(presents, (past_key, past_value)):
+            if present is not None and present.ctypes.data != past.ctypes.data:
+                copy_past(present, past)
+        if presents[1] is not None:
+            write_rows(presents[1], shape, _new_rows(shape, tensors, "value"))
+        if presents[0] is not None and not rotary:
+            write_rows(presents[0], shape, _new_rows(shape, tensors, "key"))
+
     inputs_done = time.perf_counter()
-    result = executor.run(call, kernel.node_key, _settings(kernel), reuse_host_arrays=True, output=direct)
+    result = executor.run(call, kernel.node_key, _settings(kernel), reuse_host_arrays=True, output=direct, while_gpu_runs=while_gpu_runs)
     outputs_start = time.perf_counter()
     if output is not None and direct is None:
         output[...] = result.output
-    new_rows = (result.new_key if rotary else _new_rows(shape, tensors, "key"), _new_rows(shape, tensors, "value"))
-    for present, past, rows in zip(presents, (past_key, past_value), new_rows):
-        if present is None:
-            continue
-        if present.ctypes.data != past.ctypes.data:  # not one buffer with the past: a copy of it first
-            copy_past(present, past)
-        write_rows(present, shape, rows)
+    if presents[0] is not None and rotary:  # the keys as the GPU rotated them
+        write_rows(presents[0], shape, result.new_key)
     phases = result.stats.phases
     phases["inputs"], phases["outputs"] = inputs_done - start, time.perf_counter() - outputs_start
     records.record_stats(kernel.token, kernel.node_key, result.stats)

@@ -266,9 +266,12 @@ class CacheRecord:
             self.valid[b] = past
         return plans
 
-    def append(self, past_lengths: tuple[int, ...], end_rows: tuple[int, ...], new_key: np.ndarray, new_value: np.ndarray) -> None:
+    def append(self, past_lengths: tuple[int, ...], end_rows: tuple[int, ...], new_key: np.ndarray, new_value: np.ndarray,
+               value_terms: list[np.ndarray] | None = None) -> None:
         """Record the rows a call wrote: rows [past, end) of each batch row (a prompt's
         padding rows reach the cache too, but they are not history, so not recorded).
+        ``value_terms``: :meth:`row_terms` of ``new_value``, worked out ahead (while the GPU
+        ran the call), for appends of several rows.
 
         Requires ``valid[b] == past[b]`` (the check just established it). A decode step's rows
         (one per batch row, right after the previous step's) are kept back and digested
@@ -286,8 +289,14 @@ class CacheRecord:
             self._append_one_row(np.asarray(past_lengths, np.int64), new_key, new_value)
             return
         self._assert_describes(past_lengths)
-        self._add_rows(past_lengths, end_rows, new_key, new_value)
+        self._add_rows(past_lengths, end_rows, new_key, new_value, value_terms)
         self.valid[:] = end_rows
+
+    def row_terms(self, past_lengths: tuple[int, ...], end_rows: tuple[int, ...], rows: np.ndarray) -> list[np.ndarray]:
+        """Per batch row, the digest terms of rows [past, end) of one tensor, as append()
+        adds them to the chunks from ``past // chunk_rows`` on (pure: the record is unchanged)."""
+        c = self.chunk_rows
+        return [self.digests.of(rows[b, :, : end - past], offset=past % c) for b, (past, end) in enumerate(zip(past_lengths, end_rows))]
 
     def _assert_describes(self, past_lengths) -> None:
         """append()'s precondition: the record holds exactly each batch row's past (unlike
@@ -312,15 +321,17 @@ class CacheRecord:
         self._pending_rows = count + 1
         self.valid += 1
 
-    def _add_rows(self, past_lengths: tuple[int, ...], end_rows: tuple[int, ...], new_key: np.ndarray, new_value: np.ndarray) -> None:
+    def _add_rows(self, past_lengths: tuple[int, ...], end_rows: tuple[int, ...], new_key: np.ndarray, new_value: np.ndarray,
+                  value_terms: list[np.ndarray] | None = None) -> None:
         """The digests of rows [past, end) of each batch row, into the table (``valid`` is the caller's)."""
         c = self.chunk_rows
         self._reserve(max(end_rows, default=0))
-        for b, (past, end) in enumerate(zip(past_lengths, end_rows)):
-            count = end - past
+        terms_of = {"key": self.row_terms(past_lengths, end_rows, new_key),
+                    "value": value_terms if value_terms is not None else self.row_terms(past_lengths, end_rows, new_value)}
+        for b, past in enumerate(past_lengths):
             first = past // c
-            for name, rows in (("key", new_key), ("value", new_value)):
-                terms = self.digests.of(rows[b, :, :count], offset=past % c)
+            for name in ("key", "value"):
+                terms = terms_of[name][b]
                 chunks = self._chunks[name][b]
                 if past % c == 0:
                     chunks[:, first] = 0  # a chunk that starts here starts from nothing

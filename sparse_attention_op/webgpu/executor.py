@@ -27,6 +27,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import wgpu
@@ -74,8 +75,9 @@ class CallStats:
     history_rows_compared: int = 0
     history_rows_uploaded: int = 0
     #: Host time of the call's phases (seconds), to see where a call's time goes: the
-    #: executor's (sync, prepare, encode_submit, wait_read, record) and, in a session, the
-    #: bridge's before and after it (inputs: reading and checking them; outputs: writing them).
+    #: executor's (sync, prepare, encode_submit, while_gpu_runs, wait_read, record)
+    #: and, in a session, the bridge's before and after it (inputs: reading and checking
+    #: them; outputs: writing what the call's results decide).
     phases: dict = field(default_factory=dict)
     #: The GPU's fast check found a probed row that differs from the cache, so the call ran
     #: again after the exact check (these stats are the second run's).
@@ -164,7 +166,8 @@ class WebGPUExecutor:
         return node_key in self._layouts
 
     def run(self, call: SparseAttentionCall, node_key: str = "default", settings: ExecutionSettings = ExecutionSettings(),
-            *, reuse_host_arrays: bool = False, output: np.ndarray | None = None) -> CallResult:
+            *, reuse_host_arrays: bool = False, output: np.ndarray | None = None,
+            while_gpu_runs: Callable[[], None] | None = None) -> CallResult:
         """Execute one call: the output, and the rotated new key rows when rotary is on.
 
         Without history rows in the call, the node's cache on this thread must already hold
@@ -174,6 +177,9 @@ class WebGPUExecutor:
         that copy them at once, as the bridge does: fresh large arrays are slow to fault in).
         ``output``, a writable C-contiguous float32 array of the output's shape, receives the
         output instead (the bridge passes ORT's own buffer for it: no host copy).
+        ``while_gpu_runs`` is called once the call's work is submitted, before its results are
+        waited for: host work that needs none of them overlaps the GPU's (the bridge writes
+        the presents' rows it already has there).
         """
         if output is not None and (output.shape != call.shape.output_shape or output.dtype != np.float32
                                    or not output.flags.c_contiguous or not output.flags.writeable):
@@ -189,7 +195,7 @@ class WebGPUExecutor:
             state_key = (node_key, threading.get_ident())
             state = self._state(state_key, shape, dtype, call.float16_storage)
             try:
-                result = self._execute(call, state, plan, dtype, settings, dispatch, reuse_host_arrays, output)
+                result = self._execute(call, state, plan, dtype, settings, dispatch, reuse_host_arrays, output, while_gpu_runs)
             except wgpu.GPUError as error:
                 self._drop(state_key)
                 raise GpuExecutionError(f"SparseAttention failed on {self.context.description}: {error}") from error
@@ -319,7 +325,8 @@ class WebGPUExecutor:
         return self._host_array("packed_inputs", (nbytes,), True, np.uint8)
 
     def _execute(self, call: SparseAttentionCall, state: NodeState, plan: BlockPlan, dtype, settings: ExecutionSettings,
-                 dispatch: DispatchFacts, reuse_host_arrays: bool = False, output: np.ndarray | None = None) -> CallResult:
+                 dispatch: DispatchFacts, reuse_host_arrays: bool = False, output: np.ndarray | None = None,
+                 while_gpu_runs: Callable[[], None] | None = None) -> CallResult:
         device, shape = self.context.device, call.shape
         phases = {}
         tick = time.perf_counter()
@@ -425,6 +432,14 @@ class WebGPUExecutor:
                 self._scratch.release_temporaries()  # after the submit, or with the failed recording
         phases["encode_submit"] = time.perf_counter() - tick
 
+        # Host work that needs no result overlaps the GPU's: the caller's, and the digests of
+        # a multi-row call's value rows for the record (a prompt's: 8192 rows of 8 heads of 128
+        # float32 take milliseconds).
+        tick = time.perf_counter()
+        if while_gpu_runs is not None:
+            while_gpu_runs()
+        value_terms = None if shape.seq_len == 1 else record.row_terms(shape.past_lengths, shape.key_totals, call.new_rows("value"))
+        phases["while_gpu_runs"] = time.perf_counter() - tick
         tick = time.perf_counter()
         download.read()
         phases["wait_read"] = time.perf_counter() - tick
@@ -432,7 +447,7 @@ class WebGPUExecutor:
             # A probed row differs from the cache: this output used a stale cache. The call
             # again, the history compared in full (its own rows land in the cache again).
             again = self._execute(dataclasses.replace(call, probe_chunks=None), state, plan, dtype, settings, dispatch, reuse_host_arrays,
-                                  output)
+                                  output)  # (what ran while the GPU did is done)
             again.stats.probes_differed = True
             return again
 
@@ -441,7 +456,7 @@ class WebGPUExecutor:
         keys = new_key if new_key is not None else call.new_rows("key")
         # After the call each row's history ends at its key total (a prompt's padding rows
         # reach the cache, but are not history).
-        record.append(shape.past_lengths, shape.key_totals, keys, call.new_rows("value"))
+        record.append(shape.past_lengths, shape.key_totals, keys, call.new_rows("value"), value_terms)
         phases["record"] = time.perf_counter() - tick
 
         stats.upload_bytes = upload.nbytes
