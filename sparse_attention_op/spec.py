@@ -429,8 +429,8 @@ class SparseAttentionCall:
 
 
 def _readonly(array: np.ndarray | None) -> np.ndarray | None:
-    if array is None:
-        return None
+    if array is None or not array.flags.writeable:  # (the bridge's views of ORT's inputs are read-only already)
+        return array
     view = array.view()
     view.flags.writeable = False
     return view
