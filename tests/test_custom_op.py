@@ -1,0 +1,121 @@
+"""custom_op.py: ONNX Runtime custom ops whose kernel is Python, handed ORT's own tensors (no GPU)."""
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from sparse_attention_op import _ortx_compat, custom_op
+from sparse_attention_op.custom_op import FLOAT, INT64, OpDeclaration, Slot
+from sparse_attention_op.session import session_options
+
+
+def define(name, inputs, outputs, compute, create=lambda attributes, constants: (attributes, constants), attributes=()):
+    custom_op.define(OpDeclaration(name, inputs, outputs, attributes), create, compute, _ortx_compat.library())
+
+
+def session(name, inputs, outputs, initializers=(), **attributes):
+    """A session of one node of op ``name`` (graph inputs are the node's non-initializer inputs)."""
+    constant = {tensor.name for tensor in initializers}
+    node = helper.make_node(name, [n for n, _ in inputs], [n for n, _ in outputs], domain="ai.onnx.contrib", **attributes)
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info(n, t, None) for n, t in inputs if n and n not in constant],
+        [helper.make_tensor_value_info(n, t, None) for n, t in outputs if n], list(initializers))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.contrib", 1)], ir_version=10)
+    return ort.InferenceSession(model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
+
+
+def test_inputs_are_views_of_orts_memory_and_outputs_are_its_buffers():
+    seen = {}
+
+    def compute(kernel, context):
+        x = context.input(0)
+        seen["input"], seen["writeable"] = x.ctypes.data, x.flags.writeable
+        y = context.output(0, x.shape)
+        seen["output"] = y.ctypes.data
+        y[...] = x + 1
+
+    define("SaoTestAddOne", (Slot(FLOAT),), (Slot(FLOAT),), compute)
+    sess = session("SaoTestAddOne", [("x", TensorProto.FLOAT)], [("y", TensorProto.FLOAT)])
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    y = np.zeros_like(x)
+    binding = sess.io_binding()
+    binding.bind_cpu_input("x", x)
+    binding.bind_output("y", "cpu", 0, np.float32, y.shape, y.ctypes.data)
+    sess.run_with_iobinding(binding)
+    assert np.array_equal(y, x + 1)
+    assert seen == {"input": x.ctypes.data, "writeable": False, "output": y.ctypes.data}, "no copy either way"
+    assert np.array_equal(sess.run(None, {"x": x})[0], x + 1)  # plain run: ORT's own output buffer
+
+
+def test_a_kernel_exception_is_an_ort_error_and_the_session_keeps_working():
+    def compute(kernel, context):
+        x = context.input(0)
+        if x.size and x.reshape(-1)[0] < 0:
+            raise ValueError("input 'x': must not start with a negative value")
+        context.output(0, x.shape)[...] = x
+
+    define("SaoTestRefuses", (Slot(FLOAT),), (Slot(FLOAT),), compute)
+    sess = session("SaoTestRefuses", [("x", TensorProto.FLOAT)], [("y", TensorProto.FLOAT)])
+    options = ort.RunOptions()
+    options.log_severity_level = 4
+    with pytest.raises(Exception, match="input 'x': must not start with a negative value"):
+        sess.run(None, {"x": -np.ones(3, np.float32)}, options)
+    assert np.array_equal(sess.run(None, {"x": np.ones(3, np.float32)})[0], np.ones(3))
+    # ORT's own error inside the op (an output bound with another shape) comes back the same way.
+    binding = sess.io_binding()
+    binding.bind_cpu_input("x", np.ones(3, np.float32))
+    binding.bind_ortvalue_output("y", ort.OrtValue.ortvalue_from_numpy(np.zeros(4, np.float32)))
+    with pytest.raises(Exception, match=r"\{4\}.*\{3\}"):
+        sess.run_with_iobinding(binding, options)
+
+
+def test_absent_optional_inputs_and_outputs_are_none():
+    seen = []
+
+    def compute(kernel, context):
+        seen.append((context.input(0) is None, context.input(1) is None, context.input_count()))
+        second = context.output(1, (2,))
+        context.output(0, (1,))[...] = 1.0
+        if second is not None:
+            second[...] = 2.0
+        seen.append(second is None)
+
+    define("SaoTestOptional", (Slot(FLOAT, optional=True), Slot(FLOAT, optional=True)), (Slot(FLOAT), Slot(FLOAT, optional=True)), compute)
+    both = session("SaoTestOptional", [("a", TensorProto.FLOAT), ("b", TensorProto.FLOAT)], [("y", TensorProto.FLOAT), ("z", TensorProto.FLOAT)])
+    assert [o.tolist() for o in both.run(None, {"a": np.ones(1, np.float32), "b": np.ones(1, np.float32)})] == [[1.0], [2.0, 2.0]]
+    one = session("SaoTestOptional", [("a", TensorProto.FLOAT)], [("y", TensorProto.FLOAT)])
+    assert one.run(None, {"a": np.ones(1, np.float32)})[0].tolist() == [1.0]
+    middle = session("SaoTestOptional", [("", TensorProto.FLOAT), ("b", TensorProto.FLOAT)], [("y", TensorProto.FLOAT)])
+    middle.run(None, {"b": np.ones(1, np.float32)})
+    assert seen == [(False, False, 2), False, (False, True, 1), True, (True, False, 2), True]
+
+
+def test_constants_are_located_once_and_attributes_read_once_per_node():
+    made, seen = [], []
+
+    def create(attributes, constants):
+        made.append((attributes, constants))
+        return len(made)
+
+    def compute(kernel, context):
+        table = context.input(1)
+        seen.append((kernel, table.ctypes.data, table.tolist()))
+        context.output(0, context.input(0).shape)[...] = context.input(0) * table[0]
+
+    define("SaoTestConstant", (Slot(FLOAT), Slot(INT64)), (Slot(FLOAT),), compute, create,
+           attributes=(("factor", float), ("label", str), ("count", int), ("absent", int)))
+    table = numpy_helper.from_array(np.array([3, 4], np.int64), "table")
+    sess = session("SaoTestConstant", [("x", TensorProto.FLOAT), ("table", TensorProto.INT64)], [("y", TensorProto.FLOAT)],
+                   initializers=[table], factor=0.5, label="node one", count=7)
+    assert made == [({"factor": 0.5, "label": "node one", "count": 7}, {1})]
+    for _ in range(2):
+        assert sess.run(None, {"x": np.ones(2, np.float32)})[0].tolist() == [3.0, 3.0]
+    assert seen[0] == seen[1] and seen[0][0] == 1 and seen[0][2] == [3, 4], "the session's own constant, the same memory every run"
+
+
+def test_one_definition_per_name():
+    define("SaoTestOnce", (Slot(FLOAT),), (Slot(FLOAT),), lambda kernel, context: None)
+    with pytest.raises(ValueError, match="SaoTestOnce is defined already"):
+        define("SaoTestOnce", (Slot(FLOAT),), (Slot(FLOAT),), lambda kernel, context: None)
