@@ -322,10 +322,14 @@ def describe_lengths(facts: ShapeFacts, total_sequence_length: np.ndarray, key_t
     if facts.attributes.do_rotary and facts.max_rotary_len < total:
         _fail("cos_cache", f"must hold at least total_sequence_length = {total} positions, got {facts.max_rotary_len}")
 
-    shared = {name: getattr(facts, name) for name in _FACT_NAMES}
-    shape = CallShape(**shared, total_sequence_length=total, is_prompt=is_prompt, past_lengths=past_lengths, key_totals=key_totals)
+    # Every field set directly: the frozen dataclass's __init__ sets its 16 fields one
+    # object.__setattr__ at a time, a sizeable part of a decode step's host time in the bridge.
+    shape = object.__new__(CallShape)
+    fields = shape.__dict__
+    fields.update(facts.__dict__ if type(facts) is ShapeFacts else {name: getattr(facts, name) for name in _FACT_NAMES})
+    fields.update(total_sequence_length=total, is_prompt=is_prompt, past_lengths=past_lengths, key_totals=key_totals)
     if type(facts) is ShapeFacts:
-        shape.__dict__["facts"] = facts  # the cached property, filled with the equal facts at hand
+        fields["facts"] = facts  # the cached property, filled with the equal facts at hand
     return shape
 
 
