@@ -328,7 +328,13 @@ def register() -> None:
         _registered = True
 
 
+def node_kernels() -> list[tuple[NodeKernel, dict]]:
+    """The kernels of every live session's nodes, each with its constant inputs (for tests)."""
+    return [entry for op_type in OP_TYPES.values() for entry in custom_op.kernels(op_type)]
+
+
 def forget_session(token: str) -> None:
     """Drop what the bridge keeps for a closed session's nodes."""
     records.close(token)
-    custom_op.forget_kernels(lambda kernel: kernel.token == token)
+    for op_type in OP_TYPES.values():
+        custom_op.forget_kernels(op_type, lambda kernel: kernel.token == token)

@@ -293,9 +293,9 @@ def _libc():
 
 _LIBC = _libc()
 _handles = itertools.count(1)
-#: Kernel objects by the number their ORT handle holds. A session's go when it is closed
-#: (forget_kernels); ORT frees the handles themselves.
-_kernels: dict[int, object] = {}
+#: (op name, kernel object, constant inputs) by the number a kernel's ORT handle holds. A
+#: session's go when it is closed (forget_kernels); ORT frees the handles themselves.
+_kernels: dict[int, tuple[str, object, dict]] = {}
 #: Every op defined, with its callbacks: ORT and onnxruntime-extensions keep pointers to
 #: them for the life of the process.
 _defined: dict[str, tuple] = {}
@@ -321,7 +321,7 @@ def define(declaration: OpDeclaration, create: Callable[[dict, set], object],
             number = next(_handles)
             handle = _LIBC.malloc(8)
             ctypes.c_int64.from_address(handle).value = number
-            _kernels[number] = (kernel, constants)
+            _kernels[number] = (declaration.name, kernel, constants)
             handle_out[0] = handle
             return None
         except BaseException as error:  # noqa: BLE001 - nothing may escape into ORT
@@ -329,7 +329,7 @@ def define(declaration: OpDeclaration, create: Callable[[dict, set], object],
 
     def compute_kernel(handle, context):
         try:
-            kernel, constants = _kernels[ctypes.c_int64.from_address(handle).value]
+            _, kernel, constants = _kernels[ctypes.c_int64.from_address(handle).value]
             compute(kernel, KernelContext(context, declaration, constants))
             return None
         except BaseException as error:  # noqa: BLE001 - nothing may escape into ORT
@@ -365,9 +365,14 @@ def define(declaration: OpDeclaration, create: Callable[[dict, set], object],
     _defined[declaration.name] = (op, name_buffer, callbacks)
 
 
-def forget_kernels(predicate: Callable[[object], bool]) -> None:
-    """Drop the kernel objects ``predicate`` selects (their sessions are closed)."""
-    for number in [n for n, (kernel, _) in list(_kernels.items()) if predicate(kernel)]:
+def kernels(op_name: str) -> list[tuple[object, dict[int, np.ndarray]]]:
+    """The kernel objects of op ``op_name``'s nodes in live sessions, each with its constant inputs."""
+    return [(kernel, constants) for name, kernel, constants in list(_kernels.values()) if name == op_name]
+
+
+def forget_kernels(op_name: str, predicate: Callable[[object], bool]) -> None:
+    """Drop the kernel objects of op ``op_name`` that ``predicate`` selects (their sessions are closed)."""
+    for number in [n for n, (name, kernel, _) in list(_kernels.items()) if name == op_name and predicate(kernel)]:
         _kernels.pop(number, None)
 
 

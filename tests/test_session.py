@@ -11,7 +11,7 @@ from onnxruntime_extensions import get_library_path
 
 import sparse_attention_op as sao
 from helpers import assert_close, assert_matches_reference, graph_feeds, run_in_threads, run_ort_cpu
-from sparse_attention_op.bridge import BRIDGE_DOMAIN, BRIDGE_FORMAT, KV_CHECK_ATTRIBUTE, NODE_KEY_ATTRIBUTE, OP_TYPES
+from sparse_attention_op.bridge import BRIDGE_DOMAIN, BRIDGE_FORMAT, KV_CHECK_ATTRIBUTE, NODE_KEY_ATTRIBUTE, OP_TYPES, node_kernels
 from sparse_attention_op.demo import build_demo_model, reference_step
 from sparse_attention_op.graphs import sparse_attention_model
 from sparse_attention_op.inputs import CaseConfig, random_inputs
@@ -79,13 +79,11 @@ def test_a_prepared_model_is_refused(rng):
 def test_constant_inputs_are_located_once_per_node(executor, rng):
     """Inputs that are initializers are located when the session makes the node's kernel
     (the session owns them: they neither move nor change); graph inputs on every call."""
-    from sparse_attention_op import custom_op
-
     config = CaseConfig(seq_len=3, do_rotary=True)
     for constants, expected in ((LAYOUT + ("cos_cache", "sin_cache"), [5, 6, 9, 10]), ((), [])):
         model, inputs = model_and_inputs(config, rng, constants=constants)
         session = sao.create_session(model)
-        ((kernel, located),) = [entry for entry in custom_op._kernels.values() if entry[0].token == session.sparse_attention_token]
+        ((kernel, located),) = [entry for entry in node_kernels() if entry[0].token == session.sparse_attention_token]
         assert sorted(located) == expected and kernel.constant_layout == bool(expected)
         for index in expected:
             name = ("block_row_indices", "block_col_indices", "cos_cache", "sin_cache")[expected.index(index)]
@@ -377,14 +375,12 @@ def test_parallel_execution_is_refused_at_session_creation(rng):
 
 def test_a_closed_session_leaves_no_kernels(executor, rng):
     """The bridge's kernel objects of a session's nodes go with the session."""
-    from sparse_attention_op import custom_op
-
     config = CaseConfig(seq_len=3, max_cache_len=16)
     model, inputs = model_and_inputs(config, rng)
     session = sao.create_session(model)
     session.run(None, graph_feeds(session, inputs))
     token = session.sparse_attention_token
-    assert any(kernel.token == token for kernel, _ in custom_op._kernels.values())
+    assert any(kernel.token == token for kernel, _ in node_kernels())
     del session
     gc.collect()
-    assert not any(kernel.token == token for kernel, _ in custom_op._kernels.values())
+    assert not any(kernel.token == token for kernel, _ in node_kernels())
