@@ -9,11 +9,11 @@ imposes, as measured (docs/genai.md):
 * It loads a ``custom_ops_library`` only from inside the model folder (or the current
   directory, or an EP library's folder), after resolving symbolic links: a link to
   onnxruntime-extensions' library elsewhere is refused.
-* The library must be the very file this process already loaded: the PyOps live in that
-  loaded copy. A hard link is the same file (the dynamic loader sees one library); a copy
-  loads as a second library with no PyOp registered, and the session fails to load.
+* The library must be the very file this process already loaded: the bridge's op was added
+  to that loaded copy. A hard link is the same file (the dynamic loader sees one library); a
+  copy loads as a second library without the op, and the session fails to load.
 * With ``past_present_share_buffer`` true it binds each past and present to one buffer of
-  ``max_length`` rows, so the presents' native ScatterND nodes write only the new rows in
+  ``max_length`` rows, so the op writes only the new rows in
   place. With it false, the first step is fed a zero-length past, which the op refuses.
 
 Each prepared folder carries one session token, recorded in ``sparse_attention_op.json``

@@ -217,8 +217,10 @@ def test_refused_call_under_genai_raises_and_logs(source, tmp_path):
         target, unshared_source,
     )
     assert "ort RAISED" in done.stdout, done.stdout + done.stderr  # ORT's own kernel raises here
-    assert "sao RAISED" in done.stdout, done.stdout + done.stderr
-    # The op's own message reaches stderr through logging, naming the node and the rule.
+    raised = next(line for line in done.stdout.splitlines() if line.startswith("sao RAISED"))
+    # The op's error reaches GenAI's exception as the node's status, and stderr through
+    # logging, naming the node and the rule.
+    assert "SparseAttentionWebGPU node" in raised and "'total_sequence_length': must be <= past_key's max_cache_len = 0" in raised, raised
     assert "SparseAttention node 0:/model/layers.0/attn/SparseAttention refused a call" in done.stderr, done.stderr
     assert "'total_sequence_length': must be <= past_key's max_cache_len = 0" in done.stderr, done.stderr
 
@@ -240,13 +242,14 @@ def test_refused_call_under_plain_session_raises_and_logs(source):
             try:
                 session.run(None, feeds)
             except Exception as error:
-                print(label, "RAISED", type(error).__name__)
+                print(label, "RAISED", type(error).__name__, error)
             else:
                 print(label, "NOT RAISED")
         """,
         source / "model.onnx",
     )
     assert "ort RAISED" in done.stdout and "sao RAISED" in done.stdout, done.stdout + done.stderr
+    assert "must be <= past_key's max_cache_len = 0" in next(line for line in done.stdout.splitlines() if line.startswith("sao RAISED"))
     assert "/model/layers.0/attn/SparseAttention refused a call" in done.stderr, done.stderr
     assert "must be <= past_key's max_cache_len = 0" in done.stderr, done.stderr
 
