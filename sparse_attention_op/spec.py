@@ -1,17 +1,16 @@
 """The operator contract of ``com.microsoft.SparseAttention``: attributes, rules, one validated call.
 
-Two layers, because the bridge keeps the big tensors away from Python (docs/design.md,
-"The graph around the op"):
+Two layers, because a decode step repeats the shapes of the step before it:
 
 * :func:`describe_call` validates everything that shapes and lengths determine and returns
   a :class:`CallShape`: batch, history per row, prompt or decode, head size, rotary span.
-  It needs no tensor data, so the small planning ops of the bridge can run it before any
-  cache row crosses.
+  It needs no tensor data. Its shape rules (:func:`describe_shapes`) run once per distinct
+  set of shapes in the bridge, its length rules (:func:`describe_lengths`) on every call.
 * :class:`SparseAttentionCall` adds the tensors one GPU call needs: the query and the new
-  key/value rows, the history rows the resident cache must compare (often none), the
-  cos/sin rows of this call's positions and the layout (absent when the node's layout is
-  already known). :func:`build_call` makes one from the operator's eleven full inputs, which
-  is how tests, benchmarks and direct executor users drive it.
+  key/value rows, the caller's history rows (where they lie: the resident cache compares
+  what it must), the cos/sin rows of this call's positions and the layout (absent when the
+  node's layout is already known). :func:`build_call` makes one from the operator's eleven
+  full inputs, which is how tests, benchmarks and direct executor users drive it.
 
 Every malformed input raises :class:`SparseAttentionInputError` naming the input and the
 rule it broke, before any GPU work. The rules are ORT's (docs/design.md, "The operator
@@ -388,10 +387,10 @@ class SparseAttentionCall:
     """One validated GPU call: its shape facts and the (read-only) tensors it needs.
 
     ``history_key``/``history_value`` hold cache rows ``[0, F)`` of every batch row, as the
-    caller's past has them (float32 as crossed, or the caller's own float32 or float16
-    arrays read in place): ``F == 0`` means "use what the resident cache holds" (the fast
-    check found it current), otherwise ``F >= shape.history_rows`` and the cache compares
-    them with what it holds (the exact check). ``cos_rows``/``sin_rows`` are the rotary table
+    caller's past has them (the caller's own float32 or float16 arrays, or views of them):
+    ``F == 0`` means "use what the resident cache holds" (a prompt, or a caller that checked
+    the cache itself), otherwise ``F >= shape.history_rows`` and the cache compares them
+    with what it holds (the exact check, or the fast check with ``probe_chunks``). ``cos_rows``/``sin_rows`` are the rotary table
     rows of ``shape.token_positions``, one per new token. The layout arrays are ``None`` when the node's
     layout is already known to the executor.
     """
@@ -406,9 +405,9 @@ class SparseAttentionCall:
     sin_rows: np.ndarray | None = None
     block_row_indices: np.ndarray | None = None
     block_col_indices: np.ndarray | None = None
-    #: The graph keeps this node's tensors in float16 and casts around it (model.py):
+    #: The node's tensors are float16 (the bridge converts the call's new rows to float32):
     #: values the op creates (rotated keys) are rounded to float16 values so that the
-    #: presents survive the cast to float16 and back unchanged.
+    #: float16 presents hold exactly what the GPU holds.
     float16_storage: bool = False
     #: With a history (the caller's past, read in place): the fast check's chunks per batch
     #: row, (batch, probes) indices of chunks of the record's chunk rows. The executor first
