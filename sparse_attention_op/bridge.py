@@ -31,6 +31,7 @@ import ctypes
 import logging
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 
 import numpy as np
@@ -217,10 +218,24 @@ def compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
     try:
         _compute(kernel, context)
     except BaseException as error:
+        # The error outlives the run (the session raises it again), and its frames' locals
+        # are views of ORT's tensors, which ORT frees when the run returns: a debugger or
+        # a traceback printer reading them then would read freed memory. So they go.
+        _drop_locals(error)
         if records.settings(kernel.token) is None:
             log.error("SparseAttention node %s refused a call: %s", kernel.node_key.split("/", 1)[-1], error)
         records.record_error(kernel.token, error)
         raise
+
+
+def _drop_locals(error: BaseException) -> None:
+    """Clear the local variables of every finished frame in ``error``'s traceback and in
+    those of the exceptions it chains to."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)  # (frames still running are skipped)
+        error = error.__cause__ or error.__context__
 
 
 def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
@@ -333,8 +348,11 @@ def node_kernels() -> list[tuple[NodeKernel, dict]]:
     return [entry for op_type in OP_TYPES.values() for entry in custom_op.kernels(op_type)]
 
 
-def forget_session(token: str) -> None:
-    """Drop what the bridge keeps for a closed session's nodes."""
+def forget_session(token: str, kernels: bool = True) -> None:
+    """Drop what the bridge keeps for a closed session's nodes. ``kernels=False`` keeps
+    their kernel objects: for owners whose end does not end ORT's sessions (an ORT GenAI
+    model collected while a generator still runs its sessions)."""
     records.close(token)
-    for op_type in OP_TYPES.values():
-        custom_op.forget_kernels(op_type, lambda kernel: kernel.token == token)
+    if kernels:
+        for op_type in OP_TYPES.values():
+            custom_op.forget_kernels(op_type, lambda kernel: kernel.token == token)

@@ -16,9 +16,14 @@ What ORT calls, and when:
   turns the node's attributes into a kernel object (its exception fails the session), and
   the inputs that are constants of the model are located once for all its calls.
 * ``KernelComputeV2``, per run: ``compute(kernel, context)``, where the
-  :class:`KernelContext` reads inputs and allocates outputs.
+  :class:`KernelContext` reads inputs and allocates outputs. A kernel calls the function
+  table (``OrtApi``) of the ORT that created it: a process can hold two copies of ORT (the
+  Python module's own, and the shared library ORT GenAI loads), each with its own table.
 * ``KernelDestroy`` with the session: libc's ``free`` of the handle, a native function, so no
-  Python runs when ORT tears a session down (possibly while the interpreter exits).
+  Python runs when ORT tears a session down (possibly while the interpreter exits). The
+  struct ORT reads it from is in memory of its own that is never freed, and the callbacks
+  it points to are never collected: a session left to the interpreter's exit is destroyed
+  after Python's modules are.
 
 The ABI facts used (slot numbers of ``OrtApi``, the ``OrtCustomOp`` layout of API version
 17) are append-only in ORT's header: every later release keeps them. docs/design.md
@@ -84,13 +89,24 @@ class _Api:
             setattr(self, name, ctypes.PYFUNCTYPE(result, *arguments)(table[slot]))
 
 
-_api: _Api | None = None  # ORT's table, from the first kernel it creates (the same for all)
+#: ORT's function tables by address. One process can hold several copies of ORT (the Python
+#: module's own, and the shared library ORT GenAI loads): each kernel calls the table of the
+#: ORT that created it, handed to CreateKernelV2.
+_apis: dict[int, _Api] = {}
 _api_lock = threading.Lock()
 
 
-def _error_text(status: int) -> str:
-    message = _api.GetErrorMessage(status)
-    _api.ReleaseStatus(status)
+def _api_at(address: int) -> _Api:
+    api = _apis.get(address)
+    if api is None:
+        with _api_lock:
+            api = _apis.setdefault(address, _Api(address))
+    return api
+
+
+def _error_text(api: _Api, status: int) -> str:
+    message = api.GetErrorMessage(status)
+    api.ReleaseStatus(status)
     return message.decode(errors="replace") if message else "unknown error"
 
 
@@ -98,9 +114,9 @@ class OrtStatusError(RuntimeError):
     """An ORT function called by a kernel returned an error (its message is ORT's)."""
 
 
-def _check(status) -> None:
+def _check(api: _Api, status) -> None:
     if status:
-        raise OrtStatusError(_error_text(status))
+        raise OrtStatusError(_error_text(api, status))
 
 
 class _Scratch(threading.local):
@@ -143,21 +159,21 @@ def view(pointer: int, shape: tuple[int, ...], dtype: np.dtype, writeable: bool)
     return array
 
 
-def _locate(value: int, index: int) -> tuple[int, tuple[int, ...]]:
+def _locate(api: _Api, value: int, index: int) -> tuple[int, tuple[int, ...]]:
     """Where a tensor OrtValue's data lies, and its shape."""
-    s, api = _scratch, _api
+    s = _scratch
     _, info, count, data, _ = s.addresses
-    _check(api.GetTensorTypeAndShape(value, info))
+    _check(api, api.GetTensorTypeAndShape(value, info))
     try:
-        _check(api.GetDimensionsCount(s.info.value, count))
+        _check(api, api.GetDimensionsCount(s.info.value, count))
         rank = s.count.value
         if rank > _MAX_RANK:
             raise OrtStatusError(f"input {index} has rank {rank}, more than {_MAX_RANK}")
-        _check(api.GetDimensions(s.info.value, s.dims, rank))
+        _check(api, api.GetDimensions(s.info.value, s.dims, rank))
         shape = tuple(s.dims[:rank])
     finally:
         api.ReleaseTensorTypeAndShapeInfo(s.info.value)
-    _check(api.GetTensorMutableData(value, data))
+    _check(api, api.GetTensorMutableData(value, data))
     return s.data.value, shape
 
 
@@ -166,23 +182,23 @@ class KernelContext:
     writable views of the buffers ORT allocates (or the caller bound) for them. Constant
     inputs (initializers) were located once, when the node's kernel was created."""
 
-    __slots__ = ("_context", "_scratch", "_declaration", "_constants", "_inputs", "_outputs")
+    __slots__ = ("_api", "_context", "_scratch", "_declaration", "_constants", "_inputs", "_outputs")
 
-    def __init__(self, context: int, declaration: OpDeclaration, constants: dict[int, np.ndarray]):
-        self._context, self._scratch, self._declaration, self._constants = context, _scratch, declaration, constants
+    def __init__(self, api: _Api, context: int, declaration: OpDeclaration, constants: dict[int, np.ndarray]):
+        self._api, self._context, self._scratch, self._declaration, self._constants = api, context, _scratch, declaration, constants
         self._inputs = self._outputs = None
 
     def input_count(self) -> int:
         """Inputs the node has (trailing optional ones it leaves out do not count)."""
         if self._inputs is None:
-            _check(_api.KernelContext_GetInputCount(self._context, self._scratch.addresses[2]))
+            _check(self._api, self._api.KernelContext_GetInputCount(self._context, self._scratch.addresses[2]))
             self._inputs = self._scratch.count.value
         return self._inputs
 
     def output_count(self) -> int:
         """Outputs the node has (trailing optional ones it leaves out do not count)."""
         if self._outputs is None:
-            _check(_api.KernelContext_GetOutputCount(self._context, self._scratch.addresses[2]))
+            _check(self._api, self._api.KernelContext_GetOutputCount(self._context, self._scratch.addresses[2]))
             self._outputs = self._scratch.count.value
         return self._outputs
 
@@ -199,29 +215,29 @@ class KernelContext:
 
     def input_pointer(self, index: int) -> tuple[int, tuple[int, ...]] | None:
         """Where input ``index`` lies and its shape, or None where the node leaves it out."""
-        s, api = self._scratch, _api
+        s, api = self._scratch, self._api
         value = s.addresses[0]
         if index >= self.input_count():
             return None
-        _check(api.KernelContext_GetInput(self._context, index, value))
+        _check(api, api.KernelContext_GetInput(self._context, index, value))
         if not s.value.value:
             return None
-        return _locate(s.value.value, index)
+        return _locate(api, s.value.value, index)
 
     def output(self, index: int, shape: tuple[int, ...]) -> np.ndarray | None:
         """ORT's buffer for output ``index`` with ``shape`` (a bound output is that buffer,
         if its shape is this one: ORT raises otherwise), or None where the node leaves the
         output out. Contents are whatever the buffer held: write every element."""
-        s, api = self._scratch, _api
+        s, api = self._scratch, self._api
         value, _, _, data, _ = s.addresses
         if index >= self.output_count():
             return None
         rank = len(shape)
         s.dims[:rank] = shape
-        _check(api.KernelContext_GetOutput(self._context, index, ctypes.addressof(s.dims), rank, value))
+        _check(api, api.KernelContext_GetOutput(self._context, index, ctypes.addressof(s.dims), rank, value))
         if not s.value.value:
             return None
-        _check(api.GetTensorMutableData(s.value.value, data))
+        _check(api, api.GetTensorMutableData(s.value.value, data))
         return view(s.data.value, shape, NUMPY_TYPES[self._declaration.outputs[index].element_type], writeable=True)
 
 
@@ -297,7 +313,7 @@ _handles = itertools.count(1)
 #: session's go when it is closed (forget_kernels); ORT frees the handles themselves.
 _kernels: dict[int, tuple[str, object, dict]] = {}
 #: Every op defined, with its callbacks: ORT and onnxruntime-extensions keep pointers to
-#: them for the life of the process.
+#: them for the life of the process (define() keeps them alive past module teardown too).
 _defined: dict[str, tuple] = {}
 
 
@@ -313,27 +329,29 @@ def define(declaration: OpDeclaration, create: Callable[[dict, set], object],
     name = declaration.name.encode()
     name_buffer = ctypes.create_string_buffer(name)
 
-    def create_kernel(op, api, info, handle_out):
+    def create_kernel(op, address, info, handle_out):
+        api = _api_at(address)
         try:
-            _bind_api(api)
-            constants = _constant_inputs(info, declaration)
-            kernel = create(_attributes(info, declaration.attributes), set(constants))
+            constants = _constant_inputs(api, info, declaration)
+            kernel = create(_attributes(api, info, declaration.attributes), set(constants))
             number = next(_handles)
             handle = _LIBC.malloc(8)
             ctypes.c_int64.from_address(handle).value = number
-            _kernels[number] = (declaration.name, kernel, constants)
+            _kernels[number] = (declaration.name, kernel, constants, api)
             handle_out[0] = handle
             return None
         except BaseException as error:  # noqa: BLE001 - nothing may escape into ORT
-            return _status(f"{declaration.name}: {error}")
+            return _status(api, f"{declaration.name}: {_describe(error)}")
 
     def compute_kernel(handle, context):
+        _, kernel, constants, api = _kernels[ctypes.c_int64.from_address(handle).value]
+        if kernel is None:
+            return _status(api, f"{declaration.name}: this node's kernel was forgotten (forget_kernels: its session was closed)")
         try:
-            _, kernel, constants = _kernels[ctypes.c_int64.from_address(handle).value]
-            compute(kernel, KernelContext(context, declaration, constants))
+            compute(kernel, KernelContext(api, context, declaration, constants))
             return None
         except BaseException as error:  # noqa: BLE001 - nothing may escape into ORT
-            return _status(str(error) or type(error).__name__)
+            return _status(api, _describe(error))
 
     inputs, outputs = declaration.inputs, declaration.outputs
     callbacks = dict(
@@ -358,69 +376,78 @@ def define(declaration: OpDeclaration, create: Callable[[dict, set], object],
         GetEndVersion=_Int(lambda op: 2**31 - 1),
     )
     op = _OrtCustomOp(version=OP_VERSION, KernelDestroy=ctypes.cast(_LIBC.free, _P).value, InferOutputShapeFn=None, **callbacks)
+    # ORT reads the struct (its KernelDestroy) whenever it destroys a kernel, also while the
+    # interpreter exits, after Python may have torn this module down: the struct lives in
+    # memory of its own, never freed, and what it points to is never collected.
+    memory = _LIBC.malloc(ctypes.sizeof(_OrtCustomOp))
+    ctypes.memmove(memory, ctypes.addressof(op), ctypes.sizeof(_OrtCustomOp))
+    kept = (name_buffer, callbacks)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(kept))
     add = library.AddExternalCustomOp
     add.argtypes, add.restype = [_P], ctypes.c_bool
-    if not add(ctypes.addressof(op)):
+    if not add(memory):
         raise RuntimeError(f"onnxruntime-extensions refused custom op {declaration.name}")
-    _defined[declaration.name] = (op, name_buffer, callbacks)
+    _defined[declaration.name] = kept
 
 
 def kernels(op_name: str) -> list[tuple[object, dict[int, np.ndarray]]]:
-    """The kernel objects of op ``op_name``'s nodes in live sessions, each with its constant inputs."""
-    return [(kernel, constants) for name, kernel, constants in list(_kernels.values()) if name == op_name]
+    """The kernel objects of op ``op_name``'s nodes, each with its constant inputs (not those forgotten)."""
+    return [(kernel, constants) for name, kernel, constants, _ in list(_kernels.values()) if name == op_name and kernel is not None]
 
 
 def forget_kernels(op_name: str, predicate: Callable[[object], bool]) -> None:
-    """Drop the kernel objects of op ``op_name`` that ``predicate`` selects (their sessions are closed)."""
-    for number in [n for n, (name, kernel, _) in list(_kernels.items()) if name == op_name and predicate(kernel)]:
-        _kernels.pop(number, None)
+    """Drop the kernel objects of op ``op_name`` that ``predicate`` selects, and their views
+    of constant inputs: for sessions that are closed. (A few words per node stay behind, so
+    that a session still running after all would fail with a message, not a crash.)"""
+    for number, (name, kernel, _, api) in list(_kernels.items()):
+        if name == op_name and kernel is not None and predicate(kernel):
+            _kernels[number] = (name, None, {}, api)
 
 
-def _bind_api(address: int) -> None:
-    global _api
-    if _api is None:
-        with _api_lock:
-            if _api is None:
-                _api = _Api(address)
+def _describe(error: BaseException) -> str:
+    """An exception as ORT's status message: its own text, after its type unless it is a
+    ValueError (the operator's rule errors read as they are)."""
+    text = str(error)
+    return text if isinstance(error, ValueError) and text else f"{type(error).__name__}: {text}"
 
 
-def _status(message: str) -> int:
-    return _api.CreateStatus(_ORT_FAIL, message.encode(errors="replace"))
+def _status(api: _Api, message: str) -> int:
+    return api.CreateStatus(_ORT_FAIL, message.encode(errors="replace"))
 
 
-def _constant_inputs(info: int, declaration: OpDeclaration) -> dict[int, np.ndarray]:
+def _constant_inputs(api: _Api, info: int, declaration: OpDeclaration) -> dict[int, np.ndarray]:
     """The node's inputs that are constants of the model (initializers), as read-only views
     of the tensors the session owns (they neither move nor change while it lives)."""
     count, is_constant, value = _SIZE(), ctypes.c_int(), _P()
-    _check(_api.KernelInfo_GetInputCount(info, ctypes.addressof(count)))
+    _check(api, api.KernelInfo_GetInputCount(info, ctypes.addressof(count)))
     constants = {}
     for index in range(min(count.value, len(declaration.inputs))):
-        _check(_api.KernelInfoGetConstantInput_tensor(info, index, ctypes.addressof(is_constant), ctypes.addressof(value)))
+        _check(api, api.KernelInfoGetConstantInput_tensor(info, index, ctypes.addressof(is_constant), ctypes.addressof(value)))
         if is_constant.value and value.value:
-            pointer, shape = _locate(value.value, index)
+            pointer, shape = _locate(api, value.value, index)
             constants[index] = view(pointer, shape, NUMPY_TYPES[declaration.inputs[index].element_type], writeable=False)
     return constants
 
 
-def _attributes(info: int, wanted) -> dict:
+def _attributes(api: _Api, info: int, wanted) -> dict:
     """The node's attributes among ``wanted`` (name, type); absent ones are left out."""
     found = {}
     for name, kind in wanted:
         key = name.encode()
         if kind is int:
             out = ctypes.c_int64()
-            status = _api.KernelInfoGetAttribute_int64(info, key, ctypes.addressof(out))
+            status = api.KernelInfoGetAttribute_int64(info, key, ctypes.addressof(out))
         elif kind is float:
             out = ctypes.c_float()
-            status = _api.KernelInfoGetAttribute_float(info, key, ctypes.addressof(out))
+            status = api.KernelInfoGetAttribute_float(info, key, ctypes.addressof(out))
         else:
             size = _SIZE(0)
-            status = _api.KernelInfoGetAttribute_string(info, key, None, ctypes.addressof(size))
+            status = api.KernelInfoGetAttribute_string(info, key, None, ctypes.addressof(size))
             if not status:
                 out = ctypes.create_string_buffer(size.value)
-                status = _api.KernelInfoGetAttribute_string(info, key, ctypes.addressof(out), ctypes.addressof(size))
+                status = api.KernelInfoGetAttribute_string(info, key, ctypes.addressof(out), ctypes.addressof(size))
         if status:  # absent (or of another type: the caller's rules say what that means)
-            _api.ReleaseStatus(status)
+            api.ReleaseStatus(status)
             continue
         found[name] = out.value.decode() if kind is str else out.value
     return found

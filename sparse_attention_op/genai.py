@@ -334,4 +334,7 @@ def _forget(token: str) -> None:
         if last:
             del _live_models[token]
     if last:
-        _close_session(token)
+        # GenAI's C++ model outlives the Python one while a generator runs: its sessions
+        # keep their kernels (a few small objects per node). A call after this starts the
+        # node's GPU state afresh (the exact check brings the history back).
+        _close_session(token, kernels=False)

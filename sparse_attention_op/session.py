@@ -18,12 +18,13 @@ from .spec import SparseAttentionError
 _REGISTERED_MARK = "sparse_attention_op.custom_ops_registered"
 
 
-def _close_session(token: str) -> None:
-    """Finaliser of a session: forget its records, queue its nodes' GPU state for freeing (never blocks)."""
+def _close_session(token: str, kernels: bool = True) -> None:
+    """Finaliser of a session: forget its records (and its nodes' kernels unless told not
+    to: bridge.forget_session), queue its nodes' GPU state for freeing (never blocks)."""
     from .webgpu import executor as executor_module
 
     try:
-        forget_session(token)
+        forget_session(token, kernels)
     finally:  # whatever happens above, the GPU state is freed
         executor = executor_module._executor.peek()
         if executor is not None:

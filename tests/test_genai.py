@@ -185,6 +185,26 @@ def test_gpu_state_freed_with_the_last_model_of_a_folder(og, prepared, prompts):
     assert not any(key.startswith(token + "/") for key in executor.node_keys())
 
 
+def test_a_model_collected_while_its_generator_runs(og, prepared, prompts, ort_kernel_tokens):
+    """The Python model goes (its finaliser frees the folder's GPU state) while a generator
+    still holds GenAI's model and runs its sessions: the nodes keep their kernels, start
+    their GPU state afresh and generate the same tokens."""
+    import gc
+
+    model = sao.load_genai_model(prepared)
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=MAX_LENGTH, batch_size=len(prompts))
+    generator = og.Generator(model, params)
+    generator.append_tokens(prompts)
+    generator.generate_next_token()
+    del model, params
+    gc.collect()
+    while not generator.is_done():
+        generator.generate_next_token()
+    tokens = [[int(t) for t in generator.get_sequence(row)][PROMPT_LEN:] for row in range(len(prompts))]
+    assert tokens == ort_kernel_tokens
+
+
 # -- refused calls: raised and logged, never an abort ---------------------------------------------
 def test_refused_call_under_genai_raises_and_logs(source, tmp_path):
     # With past_present_share_buffer false GenAI feeds a zero-length past to the prompt

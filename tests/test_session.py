@@ -223,6 +223,55 @@ def test_bad_call_raises_naming_the_input_and_session_recovers(executor, rng, ca
 
 
 @pytest.mark.gpu
+def test_a_refused_calls_exception_keeps_no_view_of_orts_tensors(executor, rng):
+    """The session raises the op's exception after the run, when ORT has freed the run's
+    tensors: no frame of its traceback may still hold views of them (a debugger or a
+    traceback printer would read freed memory)."""
+    config, session, inputs, feeds = decode_session(rng)
+    with pytest.raises(sao.SparseAttentionInputError) as raised:
+        session.run(None, dict(feeds, key_total_sequence_lengths=np.array([99], np.int32)))
+    frames, tb = [], raised.value.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    assert any(frame.f_code.co_name == "_compute" for frame in frames), "the op's frame is in the traceback"
+    for frame in frames:
+        if frame.f_code.co_name != "_compute":
+            continue
+        assert not {name: value for name, value in frame.f_locals.items() if isinstance(value, (np.ndarray, list))}
+
+
+@pytest.mark.gpu
+def test_a_session_left_to_the_interpreters_exit(executor, tmp_path):
+    """A session that lives until the interpreter exits (held in a reference cycle) is
+    destroyed after Python's modules: ORT then reads the op's struct, which must still be
+    there (it once was freed memory: a crash under PYTHONMALLOC=debug)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import numpy as np, sparse_attention_op as sao
+        from sparse_attention_op.graphs import sparse_attention_model
+        from sparse_attention_op.inputs import CaseConfig, random_inputs
+        config = CaseConfig()
+        inputs = random_inputs(config, np.random.default_rng(0))
+        model = sparse_attention_model(config.node_attributes(), inputs, constants=("block_row_indices", "block_col_indices"))
+        class Holder:
+            def __init__(self):
+                self.session = sao.create_session(model)
+                self.me = self
+        holder = Holder()
+        print(holder.session.run(None, {i.name: inputs[i.name] for i in holder.session.get_inputs()})[0].shape)
+    """)
+    import os
+
+    env = dict(os.environ, PYTHONMALLOC="debug", XDG_RUNTIME_DIR=os.environ.get("XDG_RUNTIME_DIR", "/tmp"))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, env=env)
+    assert done.returncode == 0, f"exit status {done.returncode}\n{done.stdout}\n{done.stderr}"
+
+
+@pytest.mark.gpu
 def test_two_sessions_of_one_model_do_not_share_state(executor, rng):
     config = CaseConfig(seq_len=1, past_lengths=(12,))
     model, first = model_and_inputs(config, rng)
