@@ -3,8 +3,8 @@ one validated call to the executor, ORT's output buffers written.
 
 prepare_model (model.py) replaces each ``com.microsoft::SparseAttention`` node by one node
 of this module's op, ``ai.onnx.contrib::SparseAttentionWebGPU`` (``...Float16`` for float16
-nodes), with the same inputs and outputs and the node's identity, cache check and layout
-kind stamped on as attributes. The op is a custom op of ORT's C ABI whose kernel is Python
+nodes), with the same inputs and outputs and the node's identity and cache check stamped
+on as attributes. The op is a custom op of ORT's C ABI whose kernel is Python
 (custom_op.py), so it reads every input where ORT holds it and writes every output into the
 buffer ORT gives it: no tensor is copied to cross, whatever its size (docs/design.md section
 4). Per call:
@@ -37,7 +37,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _ortx_compat, custom_op
-from .cache_record import chunk_rows_for, model_itemsize, probe_chunks
 from .custom_op import FLOAT, FLOAT16, INT32, OpDeclaration, Slot
 from .presents import copy_past, write_rows
 from .spec import INPUT_NAMES, SHAPED_INPUTS, CallShape, OpAttributes, ShapeFacts, SparseAttentionError, assemble_call, describe_lengths, describe_shapes
@@ -244,16 +243,12 @@ def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
     shapes = tuple(None if tensors[i] is None else tensors[i].shape for i in _SHAPED_SLOTS)
     shape = _describe(kernel.attributes, shapes, tensors[_TOTAL], tensors[_KEY_TOTALS])
     past_key, past_value = tensors[_PAST_KEY], tensors[_PAST_VALUE]
-    history = 0 if shape.is_prompt else shape.max_cache_len  # the pasts as they lie; the executor reads what it needs
-    probes = None
-    if kernel.kv_check == "fast" and not shape.is_prompt:
-        chunk_rows = chunk_rows_for(shape.head_size, model_itemsize(kernel.float16))  # the node's record's (cache_record.py)
-        probes = probe_chunks(shape.past_lengths, chunk_rows, shape.total_sequence_length)
+    history = 0 if shape.is_prompt else shape.max_cache_len  # the whole pasts as they lie: the executor reads what it needs
     rotary = shape.attributes.do_rotary
     positions = shape.token_positions if rotary else None
     executor = _executor()
     send_layout = not (kernel.constant_layout and executor.knows_layout(kernel.node_key))
-    as_f32 = _float32 if kernel.float16 else _same
+    as_f32 = _float32 if kernel.float16 else _as_is
     call = assemble_call(
         shape,
         as_f32(tensors[_QUERY]),
@@ -266,7 +261,7 @@ def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
         tensors[_ROWS] if send_layout else None,
         tensors[_COLS] if send_layout else None,
         float16_storage=kernel.float16,
-        probe_chunks=probes,
+        fast_check=kernel.kv_check == "fast" and not shape.is_prompt,
     )
     # Every output buffer before any GPU work: a bound output of the wrong shape is ORT's
     # error at this point, with nothing done. The output goes straight into ORT's buffer
@@ -283,9 +278,9 @@ def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
             if present is not None and present.ctypes.data != past.ctypes.data:
                 copy_past(present, past)
         if presents[1] is not None:
-            write_rows(presents[1], shape, _new_rows(shape, tensors, "value"))
+            write_rows(presents[1], shape, call.new_rows("value"))
         if presents[0] is not None and not rotary:
-            write_rows(presents[0], shape, _new_rows(shape, tensors, "key"))
+            write_rows(presents[0], shape, call.new_rows("key"))
 
     inputs_done = time.perf_counter()
     result = executor.run(call, kernel.node_key, _settings(kernel), reuse_host_arrays=True, output=direct, while_gpu_runs=while_gpu_runs)
@@ -299,23 +294,12 @@ def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
     records.record_stats(kernel.token, kernel.node_key, result.stats)
 
 
-def _same(array):
+def _as_is(array):
     return array
 
 
 def _float32(array):
     return None if array is None else array.astype(np.float32)
-
-
-def _new_rows(shape: CallShape, tensors: list, which: str) -> np.ndarray:
-    """This call's key or value rows from the inputs, in the node's type, (batch, kv head, token, head)."""
-    attrs, h = shape.attributes, shape.head_size
-    if shape.packed_qkv:
-        start = (attrs.num_heads + (attrs.kv_num_heads if which == "value" else 0)) * h
-        source = tensors[_QUERY][:, :, start : start + attrs.kv_num_heads * h]
-    else:
-        source = tensors[_KEY if which == "key" else _VALUE]
-    return source.reshape(shape.batch_size, shape.seq_len, attrs.kv_num_heads, h).transpose(0, 2, 1, 3)
 
 
 def _declaration(dtype: np.dtype) -> OpDeclaration:

@@ -68,7 +68,6 @@ class _Api:
         61: ("GetDimensionsCount", _P, (_P, _P)),
         62: ("GetDimensions", _P, (_P, _P, _SIZE)),
         65: ("GetTensorTypeAndShape", _P, (_P, _P)),
-        60: ("GetTensorElementType", _P, (_P, _P)),
         85: ("KernelInfoGetAttribute_float", _P, (_P, ctypes.c_char_p, _P)),
         86: ("KernelInfoGetAttribute_int64", _P, (_P, ctypes.c_char_p, _P)),
         87: ("KernelInfoGetAttribute_string", _P, (_P, ctypes.c_char_p, _P, _P)),
@@ -123,9 +122,9 @@ class _Scratch(threading.local):
     """Out-parameters of the ORT calls, per thread (ORT may run sessions on many threads)."""
 
     def __init__(self):
-        self.value, self.info, self.count, self.data, self.element = _P(), _P(), _SIZE(), _P(), ctypes.c_int()
+        self.value, self.info, self.count, self.data = _P(), _P(), _SIZE(), _P()
         self.dims = (ctypes.c_int64 * _MAX_RANK)()
-        self.addresses = tuple(ctypes.addressof(x) for x in (self.value, self.info, self.count, self.data, self.element))
+        self.addresses = tuple(ctypes.addressof(x) for x in (self.value, self.info, self.count, self.data))
 
 
 _scratch = _Scratch()
@@ -162,7 +161,7 @@ def view(pointer: int, shape: tuple[int, ...], dtype: np.dtype, writeable: bool)
 def _locate(api: _Api, value: int, index: int) -> tuple[int, tuple[int, ...]]:
     """Where a tensor OrtValue's data lies, and its shape."""
     s = _scratch
-    _, info, count, data, _ = s.addresses
+    _, info, count, data = s.addresses
     _check(api, api.GetTensorTypeAndShape(value, info))
     try:
         _check(api, api.GetDimensionsCount(s.info.value, count))
@@ -229,7 +228,7 @@ class KernelContext:
         if its shape is this one: ORT raises otherwise), or None where the node leaves the
         output out. Contents are whatever the buffer held: write every element."""
         s, api = self._scratch, self._api
-        value, _, _, data, _ = s.addresses
+        value, _, _, data = s.addresses
         if index >= self.output_count():
             return None
         rank = len(shape)

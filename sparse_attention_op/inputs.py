@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .layouts import mask_to_csr, phi3_small_mask
+from .spec import OpAttributes
 
 
 @dataclass
@@ -37,16 +38,8 @@ class CaseConfig:
     attributes: dict = field(default_factory=dict, repr=False)
 
     def node_attributes(self) -> dict:
-        attrs = dict(
-            num_heads=self.num_heads,
-            kv_num_heads=self.kv_num_heads,
-            sparse_block_size=self.sparse_block_size,
-            scale=float(self.scale),
-            do_rotary=int(self.do_rotary),
-            rotary_interleaved=int(self.rotary_interleaved),
-        )
-        attrs.update(self.attributes)
-        return attrs
+        attributes = OpAttributes(self.num_heads, self.kv_num_heads, self.sparse_block_size, self.scale, self.do_rotary, self.rotary_interleaved)
+        return {**attributes.node_attributes(), **self.attributes}
 
     @property
     def max_blocks(self) -> int:

@@ -33,18 +33,8 @@ class NodePlan:
 
 def expand(plan: NodePlan) -> onnx.NodeProto:
     """The bridge's node that replaces ``plan.node``."""
-    node, attrs = plan.node, plan.attributes
+    node = plan.node
     return helper.make_node(
-        OP_TYPES[np.dtype(np.float16 if plan.float16 else np.float32)],
-        list(node.input),
-        list(node.output),
-        name=node.name,
-        domain=BRIDGE_DOMAIN,
-        num_heads=attrs.num_heads,
-        kv_num_heads=attrs.kv_num_heads,
-        sparse_block_size=attrs.sparse_block_size,
-        scale=float(attrs.scale),
-        do_rotary=int(attrs.do_rotary),
-        rotary_interleaved=int(attrs.rotary_interleaved),
-        **{NODE_KEY_ATTRIBUTE: plan.node_key, KV_CHECK_ATTRIBUTE: plan.kv_check},
+        OP_TYPES[np.dtype(np.float16 if plan.float16 else np.float32)], list(node.input), list(node.output), name=node.name,
+        domain=BRIDGE_DOMAIN, **plan.attributes.node_attributes(), **{NODE_KEY_ATTRIBUTE: plan.node_key, KV_CHECK_ATTRIBUTE: plan.kv_check},
     )

@@ -118,6 +118,11 @@ class OpAttributes:
         if not np.isfinite(self.scale) or self.scale < 0:
             _fail("scale", f"must be finite and >= 0 (0 means 1/sqrt(head_size)), got {self.scale}")
 
+    def node_attributes(self) -> dict:
+        """The attributes as a node carries them, the schema's defaults made explicit."""
+        return dict(num_heads=self.num_heads, kv_num_heads=self.kv_num_heads, sparse_block_size=self.sparse_block_size,
+                    scale=float(self.scale), do_rotary=int(self.do_rotary), rotary_interleaved=int(self.rotary_interleaved))
+
     @property
     def group_size(self) -> int:
         """Query heads per kv head (GQA)."""
@@ -390,7 +395,7 @@ class SparseAttentionCall:
     caller's past has them (the caller's own float32 or float16 arrays, or views of them):
     ``F == 0`` means "use what the resident cache holds" (a prompt, or a caller that checked
     the cache itself), otherwise ``F >= shape.history_rows`` and the cache compares them
-    with what it holds (the exact check, or the fast check with ``probe_chunks``). ``cos_rows``/``sin_rows`` are the rotary table
+    with what it holds (the exact check, or first the fast check with ``fast_check``). ``cos_rows``/``sin_rows`` are the rotary table
     rows of ``shape.token_positions``, one per new token. The layout arrays are ``None`` when the node's
     layout is already known to the executor.
     """
@@ -409,11 +414,11 @@ class SparseAttentionCall:
     #: values the op creates (rotated keys) are rounded to float16 values so that the
     #: float16 presents hold exactly what the GPU holds.
     float16_storage: bool = False
-    #: With a history (the caller's past, read in place): the fast check's chunks per batch
-    #: row, (batch, probes) indices of chunks of the record's chunk rows. The executor first
-    #: compares those rows with what the GPU holds, on the GPU, and reads the history (the
-    #: exact check) only where a length or a probed row differs.
-    probe_chunks: np.ndarray | None = None
+    #: With a history (the caller's past, read in place): check it with the fast check.
+    #: The executor compares the probe rows (cache_record.probe_chunks of its record) with
+    #: what the GPU holds, on the GPU, and reads the whole history (the exact check) only
+    #: where a length or a probed row differs.
+    fast_check: bool = False
 
     @property
     def has_history(self) -> bool:
@@ -452,7 +457,7 @@ def assemble_call(
     block_col_indices: np.ndarray | None = None,
     *,
     float16_storage: bool = False,
-    probe_chunks: np.ndarray | None = None,
+    fast_check: bool = False,
 ) -> SparseAttentionCall:
     """Check the tensors against ``shape`` (the layout's content too, when given) and bundle them."""
     b, nkv, _, h = shape.cache_shape
@@ -471,8 +476,8 @@ def assemble_call(
         _fail("block_col_indices", "the layout's two CSR tensors must be given together")
     if block_row_indices is not None:
         check_layout(block_row_indices, block_col_indices)
-    if probe_chunks is not None and (probe_chunks.ndim != 2 or probe_chunks.shape[0] != b or history_key.shape[2] == 0):
-        _fail("past_key", f"probe chunks need the history and one row of chunks per batch row, got {probe_chunks.shape}")
+    if fast_check and history_key.shape[2] == 0:
+        _fail("past_key", "the fast check needs the history rows (the caller's past) in the call")
     return SparseAttentionCall(
         shape=shape,
         query=_readonly(query),
@@ -485,7 +490,7 @@ def assemble_call(
         block_row_indices=_readonly(block_row_indices),
         block_col_indices=_readonly(block_col_indices),
         float16_storage=float16_storage,
-        probe_chunks=_readonly(probe_chunks),
+        fast_check=fast_check,
     )
 
 

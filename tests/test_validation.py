@@ -179,3 +179,12 @@ def test_unsupported_float_types_are_refused_by_prepare_model(elem, slot_name):
             graph_input.CopyFrom(helper.make_tensor_value_info(slot_name, TensorProto.DOUBLE, [None] * 4))
     with pytest.raises(sao.SparseAttentionError, match=f"'{slot_name}' is DOUBLE"):
         sao.prepare_model(model)
+
+
+def test_a_fast_check_without_history_is_refused():
+    """The fast check compares probe rows of the caller's past: a call that asks for it must
+    carry that past (the executor could otherwise compare nothing and trust its cache)."""
+    call = build_call(random_inputs(GOOD, np.random.default_rng(3)), OpAttributes.from_mapping(GOOD.node_attributes()), with_history=False)
+    with pytest.raises(SparseAttentionInputError, match="the fast check needs the history rows"):
+        spec.assemble_call(call.shape, call.query, call.key, call.value, call.history_key, call.history_value, call.cos_rows,
+                           call.sin_rows, call.block_row_indices, call.block_col_indices, fast_check=True)

@@ -7,7 +7,7 @@ plans run; then one read-back brings the output, and the rotated new key rows wh
 is on. The presents are not built here: the bridge writes the new rows into them
 (presents.py).
 
-A call that brings the fast check's probe chunks with the caller's past has them compared
+A call that asks for the fast check with the caller's past has its probe rows compared
 with the cache on the GPU, in a first dispatch of the same submit; if any row differs, its
 output is dropped and the call runs again after the exact check.
 
@@ -33,7 +33,7 @@ import numpy as np
 import wgpu
 
 from ..block_plan import BlockPlan, BlockPlanCache
-from ..cache_record import model_itemsize, probe_slots
+from ..cache_record import model_itemsize, probe_chunks, probe_slots
 from ..spec import CallShape, SparseAttentionCall, SparseAttentionError
 from . import kernels, recording
 from .buffers import STORAGE_IN, STORAGE_OUT, UNIFORM, BufferPool, Download, GpuBufferError, Upload, aligned
@@ -339,7 +339,7 @@ class WebGPUExecutor:
         # exact check below if they did not (step 4).
         cache.reserve(shape.rows_written)
         upload = Upload()
-        probing = call.probe_chunks is not None and record.holds_lengths(shape.past_lengths)
+        probing = call.fast_check and record.holds_lengths(shape.past_lengths)
         if call.has_history and not probing:
             plans = record.sync(shape.past_lengths, call.history_key, call.history_value)
             cache.upload_spans(upload, plans, call.history_key, call.history_value)
@@ -363,7 +363,8 @@ class WebGPUExecutor:
             sections["cos_cache"] = upload.section(call.cos_rows)
             sections["sin_cache"] = upload.section(call.sin_rows)
         if probing:
-            slots, probe_key, probe_value = _probe_rows(call, record.chunk_rows)
+            chunks = probe_chunks(shape.past_lengths, record.chunk_rows, shape.total_sequence_length)
+            slots, probe_key, probe_value = _probe_rows(call, chunks, record.chunk_rows)
             sections.update(probe_slots=upload.section(slots), probe_key=upload.section(probe_key), probe_value=upload.section(probe_value))
         inputs = self._scratch.get("inputs", upload.section_bytes, STORAGE_IN)
         resources = {name: BufferRange(inputs, offset) for name, offset in sections.items()}
@@ -446,7 +447,7 @@ class WebGPUExecutor:
         if probe_flags is not None and np.count_nonzero(probe_flags):
             # A probed row differs from the cache: this output used a stale cache. The call
             # again, the history compared in full (its own rows land in the cache again).
-            again = self._execute(dataclasses.replace(call, probe_chunks=None), state, plan, dtype, settings, dispatch, reuse_host_arrays,
+            again = self._execute(dataclasses.replace(call, fast_check=False), state, plan, dtype, settings, dispatch, reuse_host_arrays,
                                   output)  # (what ran while the GPU did is done)
             again.stats.probes_differed = True
             return again
@@ -514,12 +515,11 @@ def get_executor() -> WebGPUExecutor:
     return _executor.get()
 
 
-def _probe_rows(call: SparseAttentionCall, chunk_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The GPU fast check's inputs: per batch row the cache rows of its probe chunks,
+def _probe_rows(call: SparseAttentionCall, chunks: np.ndarray, chunk_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The GPU fast check's inputs: per batch row the cache rows of its probe ``chunks``,
     (batch, slots) uint32, and those rows of the caller's past key and value, (batch, kv
     heads, slots, head) float32. Slots at or beyond a row's history are junk there: the
     kernel skips them (they are clipped to the past's last row for the gather)."""
-    chunks = call.probe_chunks
     slots = probe_slots(chunks, chunk_rows)
     batch_rows, heads = _gather_index(chunks.shape[0], call.history_key.shape[1])
     rows = np.minimum(slots, call.history_key.shape[2] - 1)[:, None, :]
