@@ -20,13 +20,13 @@ Two checks use it (``kv_check`` of :func:`~sparse_attention_op.create_session`):
 
 * exact: every history row is digested where the caller's past lies; only chunks whose
   digest differs (or that the GPU never held) are uploaded. Cost follows the history.
-* fast: only probe chunks are compared: the chunks holding each sequence's last rows and a
-  few spread over its history (their positions move from call to call). The GPU compares
-  their rows, gathered from the caller's past, with its cache, bit for bit
-  (webgpu/executor.py, probe_compare.wgsl.jinja). If the lengths or any probe disagree,
+* fast: only probe rows are compared: each sequence's last rows in every kv head, and a few
+  rows spread over its history, each in one kv head (their rows and heads move from call to
+  call). The GPU compares them, gathered from the caller's past, with its cache, bit for
+  bit (webgpu/executor.py, probe_compare.wgsl.jinja). If the lengths or any probe disagree,
   the call runs again after the exact check. Cost is constant. It misses a change confined
   to rows it did not probe (an edit in the middle of a history that leaves the last rows
-  and the probed chunks alone).
+  and the probed (row, head) pairs alone).
 """
 
 from __future__ import annotations
@@ -42,10 +42,14 @@ from . import host_threads
 DIGEST_BYTES = 8
 #: The record's size bound, as a fraction of the bytes of the cache it describes.
 RECORD_FRACTION = 0.01
-#: The fast check's probes per batch row: chunks holding the last LAST_ROWS rows, plus
-#: SPREAD_CHUNKS chunks spread over the history (the first of them at a moving offset).
+#: The fast check's probes per batch row: the last LAST_ROWS history rows in every kv head
+#: (they are warm in the CPU's caches: the presents' newest rows), and SPREAD_ROWS rows spread
+#: over the history, each in one kv head. A spread row is a random read of the caller's
+#: past, which is mostly cold (at capacity 131072, 64 such reads took 50 us on the 2-core VM
+#: against 10 us warm): what a new sequence, a restart or a reordered batch changes, it
+#: changes in every head, so one head per spread row sees it.
 LAST_ROWS = 8
-SPREAD_CHUNKS = 4
+SPREAD_ROWS = 8
 #: Digesting more words than this at once is split over threads (numpy releases the GIL).
 _PARALLEL_WORDS = 1 << 19
 _GOLDEN = (math.sqrt(5) - 1) / 2
@@ -138,38 +142,36 @@ class Digests:
         return np.concatenate(parts, axis=-1)
 
 
-def probe_chunks(past_lengths: tuple[int, ...], chunk_rows: int, total_sequence_length: int) -> np.ndarray:
-    """Chunk indices the fast check probes per batch row: (batch, probes) int64.
+def probe_rows(past_lengths: tuple[int, ...], kv_heads: int, total_sequence_length: int) -> np.ndarray:
+    """The (kv head, row) pairs the fast check probes per batch row: (batch, probes, 2) int64.
 
-    The chunks holding the last LAST_ROWS history rows, and SPREAD_CHUNKS spread evenly over
-    the history from an offset that moves with the call (golden-ratio steps of the total
-    length), so successive calls look at different places. Rows without history probe
-    chunk 0 (the check ignores them). Plain Python: a handful of ints per batch row.
+    Rows past - LAST_ROWS .. past - 1 in every kv head (head-major), then SPREAD_ROWS rows
+    spread evenly over the history from an offset that moves with the call (golden-ratio
+    steps of the total length), the i-th in head (i + total) % kv_heads, so successive calls
+    look at different places. Rows below 0 are clipped to 0; rows without history probe
+    (0, 0), which the check skips. Plain Python for the spread rows and a few numpy
+    operations on a fixed pattern: numpy's general functions (broadcast_to, stack) cost
+    microseconds each, a decode step's time.
     """
-    last = -(-LAST_ROWS // chunk_rows) + 1  # the last rows may straddle one more chunk
+    pattern = _last_rows_pattern(kv_heads)
     phase = (total_sequence_length * _GOLDEN) % 1.0
-    rows = []
-    for past in past_lengths:
-        chunks = -(-past // chunk_rows)
-        if chunks == 0:
-            rows.append([0] * (last + SPREAD_CHUNKS))
+    spread_heads = [(i + total_sequence_length) % kv_heads for i in range(SPREAD_ROWS)]
+    probes = np.zeros((len(past_lengths), pattern.shape[0] + SPREAD_ROWS, 2), np.int64)
+    for b, past in enumerate(past_lengths):
+        if past == 0:
             continue
-        tail = [min(max(chunk, 0), chunks - 1) for chunk in range(chunks - last, chunks)]
-        spread = [min(int((i + phase) * chunks / SPREAD_CHUNKS), chunks - 1) for i in range(SPREAD_CHUNKS)]
-        rows.append(tail + spread)
-    return np.array(rows, np.int64).reshape(len(past_lengths), last + SPREAD_CHUNKS)
-
-
-def probe_slots(probes: np.ndarray, chunk_rows: int) -> np.ndarray:
-    """The cache rows of the probe chunks, (batch, probes * chunk_rows) in (probe, row) order
-    per batch row (the same for every kv head). Rows at or beyond a history's end may be
-    among them (the chunk it ends inside); the checks skip them."""
-    return (probes[:, :, None] * chunk_rows + _chunk_offsets(chunk_rows)).reshape(probes.shape[0], -1)
+        last, spread = probes[b, : pattern.shape[0]], probes[b, pattern.shape[0] :]
+        last[...] = pattern
+        np.maximum(last[:, 1] + (past - LAST_ROWS), 0, out=last[:, 1])
+        spread[:, 0] = spread_heads
+        spread[:, 1] = [min(int((i + phase) * past / SPREAD_ROWS), past - 1) for i in range(SPREAD_ROWS)]
+    return probes
 
 
 @functools.lru_cache(maxsize=16)
-def _chunk_offsets(chunk_rows: int) -> np.ndarray:
-    return np.arange(chunk_rows, dtype=np.int64)
+def _last_rows_pattern(kv_heads: int) -> np.ndarray:
+    """(kv_heads * LAST_ROWS, 2): every kv head's offsets 0 .. LAST_ROWS - 1, head-major."""
+    return np.stack([np.repeat(np.arange(kv_heads), LAST_ROWS), np.tile(np.arange(LAST_ROWS), kv_heads)], axis=1)
 
 
 @dataclass

@@ -16,7 +16,7 @@ import pytest
 
 import sparse_attention_op as sao
 from helpers import assert_close, assert_matches_reference, run_in_threads
-from sparse_attention_op.cache_record import RECORD_FRACTION, chunk_rows_for, probe_chunks
+from sparse_attention_op.cache_record import RECORD_FRACTION, chunk_rows_for, probe_rows
 from sparse_attention_op.graphs import sparse_attention_model
 from sparse_attention_op.inputs import CaseConfig, random_inputs
 from sparse_attention_op.reference import sparse_attention_reference
@@ -249,9 +249,8 @@ def test_fast_check_misses_an_unprobed_edit_as_documented(executor, rng):
     for _ in range(3):
         generation.step()
     past = int(generation.lengths[0])
-    chunk = chunk_rows_for(CONFIG.head_size, 4)
-    probed = probe_chunks((past,), chunk, past + 1)[0]
-    row = next(r for r in range(past - 8) if r // chunk not in probed)
+    probed = {(int(head), int(row)) for head, row in probe_rows((past,), CONFIG.kv_num_heads, past + 1)[0]}
+    row = next(r for r in range(past - 8) if (0, r) not in probed)
     held = generation.past[1].copy()
     generation.past[1][0, 0, row] += 5.0
     generation.next()
@@ -263,6 +262,27 @@ def test_fast_check_misses_an_unprobed_edit_as_documented(executor, rng):
     assert stats.history_rows_compared == 0 and stats.history_rows_uploaded == 0
     expected = sparse_attention_reference(**expected_inputs, **config.node_attributes())[0]
     assert_close(output, expected, "output with the unprobed edit")
+
+
+@pytest.mark.parametrize("probe", ["last row", "spread row"])
+def test_fast_check_sees_an_edit_at_each_probed_pair(executor, rng, probe):
+    # One value changed at a probed (kv head, row) pair of one batch row, in the pair's own
+    # head and no other: the GPU must compare that head's row (a kernel that read another
+    # head, or the row of another batch row, would miss it).
+    config = CaseConfig(**{**CONFIG.__dict__, "seq_len": 60, "kv_num_heads": 4, "num_heads": 8, "max_cache_len": 128})
+    generation = Generation(new_session(rng, "fast", config), rng, "plain", config=config, prompt_lengths=(60, 44, 52))
+    generation.step()
+    assert not generation.step().probes_differed, "an unedited past agrees with the cache at every probed pair"
+    b = 1
+    past = tuple(int(v) for v in generation.lengths)
+    probes = probe_rows(past, config.kv_num_heads, max(past) + 1)[b]
+    last = [(int(h), int(r)) for h, r in probes[: -8] if h != 0]  # a last row outside head 0
+    spread = [(int(h), int(r)) for h, r in probes[-8:] if h != 0 and r < past[b] - 8]
+    head, row = (last if probe == "last row" else spread)[0]
+    generation.past[0][b, head, row, 5] += 1.0
+    generation.next()
+    stats = generation.step()  # against the reference of the edited past
+    assert stats.probes_differed and stats.history_rows_uploaded > 0, (probe, head, row)
 
 
 @pytest.mark.parametrize("kv_check", MODES)
@@ -484,7 +504,7 @@ def test_record_fast_paths_equal_the_general_ones(rng, head_size, itemsize, batc
     """Whole-chunk digests, one-row appends (digested at once, or kept back and digested
     together later) and the probe list: the decode step's short cuts give what the general
     code gives (a wrong short cut would pass the fast check wrongly)."""
-    from sparse_attention_op.cache_record import LAST_ROWS, SPREAD_CHUNKS, CacheRecord
+    from sparse_attention_op.cache_record import LAST_ROWS, SPREAD_ROWS, CacheRecord
 
     heads = 2
     general = CacheRecord(batch, heads, head_size, itemsize, max_rows=8192)
@@ -515,17 +535,15 @@ def test_record_fast_paths_equal_the_general_ones(rng, head_size, itemsize, batc
     for name in ("key", "value"):
         assert np.array_equal(fast.chunk_digests(name), general.chunk_digests(name)), name
         assert np.array_equal(kept.chunk_digests(name), general.chunk_digests(name)), name
-    # Probe chunks: the tail chunks of the last LAST_ROWS rows and SPREAD_CHUNKS spread ones,
-    # clipped to the history, as a plain numpy formula computes them.
+    # Probes: the last LAST_ROWS rows in every head and SPREAD_ROWS spread rows, one head
+    # each, clipped to the history, as plain Python computes them.
     for past_lengths, total in (((0, 5, 300), 301), ((1,), 2), ((4097, 64), 4098)):
-        probes = probe_chunks(past_lengths, c, total)
-        last = -(-LAST_ROWS // c) + 1
+        probes = probe_rows(past_lengths, heads, total)
         phase = (total * (np.sqrt(5) - 1) / 2) % 1.0
         for b, past in enumerate(past_lengths):
-            chunks = -(-past // c)
-            if chunks == 0:
+            if past == 0:
                 assert not probes[b].any()
                 continue
-            expected = np.clip(np.concatenate([np.arange(chunks - last, chunks),
-                                               ((np.arange(SPREAD_CHUNKS) + phase) * chunks / SPREAD_CHUNKS).astype(np.int64)]), 0, chunks - 1)
-            assert probes[b].tolist() == expected.tolist(), (past_lengths, b)
+            expected = [(h, max(past - LAST_ROWS + r, 0)) for h in range(heads) for r in range(LAST_ROWS)]
+            expected += [((i + total) % heads, min(int((i + phase) * past / SPREAD_ROWS), past - 1)) for i in range(SPREAD_ROWS)]
+            assert [tuple(p) for p in probes[b].tolist()] == expected, (past_lengths, b)

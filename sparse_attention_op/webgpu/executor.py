@@ -33,7 +33,7 @@ import numpy as np
 import wgpu
 
 from ..block_plan import BlockPlan, BlockPlanCache
-from ..cache_record import model_itemsize, probe_chunks, probe_slots
+from ..cache_record import model_itemsize, probe_rows
 from ..spec import CallShape, SparseAttentionCall, SparseAttentionError
 from . import kernels, recording
 from .buffers import STORAGE_IN, STORAGE_OUT, UNIFORM, BufferPool, Download, GpuBufferError, Upload, aligned
@@ -363,9 +363,10 @@ class WebGPUExecutor:
             sections["cos_cache"] = upload.section(call.cos_rows)
             sections["sin_cache"] = upload.section(call.sin_rows)
         if probing:
-            chunks = probe_chunks(shape.past_lengths, record.chunk_rows, shape.total_sequence_length)
-            slots, probe_key, probe_value = _probe_rows(call, chunks, record.chunk_rows)
-            sections.update(probe_slots=upload.section(slots), probe_key=upload.section(probe_key), probe_value=upload.section(probe_value))
+            probes = probe_rows(shape.past_lengths, shape.attributes.kv_num_heads, shape.total_sequence_length)
+            probe_key, probe_value = _gather_probes(call, probes)
+            sections.update(probe_slots=upload.section(probes.astype(np.uint32)), probe_key=upload.section(probe_key),
+                            probe_value=upload.section(probe_value))
         inputs = self._scratch.get("inputs", upload.section_bytes, STORAGE_IN)
         resources = {name: BufferRange(inputs, offset) for name, offset in sections.items()}
         if shape.packed_qkv:
@@ -382,7 +383,7 @@ class WebGPUExecutor:
         # With probes, the GPU fast check's flags come last (kernels.probe_grid: one per workgroup).
         probe_flags = None
         if probing:
-            grid = kernels.probe_grid(shape, slots.shape[1])
+            grid = kernels.probe_grid(shape, probes.shape[1])
             probe_flags = self._host_array("probe_flags", (grid[0] * grid[1],), True, np.uint32)
         key_offset = aligned(output.nbytes)
         flags_offset = key_offset + (0 if new_key is None else aligned(new_key.nbytes))
@@ -396,7 +397,7 @@ class WebGPUExecutor:
             resources[name] = BufferRange(self._scratch.get(name, nbytes, wgpu.BufferUsage.STORAGE))
 
         cache_format = kernels.CacheFormat(rows=cache.rows, f16=np.dtype(dtype) == np.float16, round_keys_to_f16=call.float16_storage)
-        launches = self._launches(state, shape, dispatch.key, cache_format, resources, probe_slots=slots.shape[1] if probing else 0)
+        launches = self._launches(state, shape, dispatch.key, cache_format, resources, probe_slots=probes.shape[1] if probing else 0)
         phases["prepare"] = time.perf_counter() - tick
 
         # 3. One command buffer: the uploads, every dispatch, then the read-back copies.
@@ -515,20 +516,16 @@ def get_executor() -> WebGPUExecutor:
     return _executor.get()
 
 
-def _probe_rows(call: SparseAttentionCall, chunks: np.ndarray, chunk_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The GPU fast check's inputs: per batch row the cache rows of its probe ``chunks``,
-    (batch, slots) uint32, and those rows of the caller's past key and value, (batch, kv
-    heads, slots, head) float32. Slots at or beyond a row's history are junk there: the
-    kernel skips them (they are clipped to the past's last row for the gather)."""
-    slots = probe_slots(chunks, chunk_rows)
-    batch_rows, heads = _gather_index(chunks.shape[0], call.history_key.shape[1])
-    rows = np.minimum(slots, call.history_key.shape[2] - 1)[:, None, :]
-    probes = [history[batch_rows, heads, rows].astype(np.float32, copy=False) for history in (call.history_key, call.history_value)]
-    return slots.astype(np.uint32), probes[0], probes[1]
+def _gather_probes(call: SparseAttentionCall, probes: np.ndarray) -> list[np.ndarray]:
+    """The GPU fast check's rows of the caller's past key and value: (batch, probes, head)
+    float32, row [b, i] at probe i's (kv head, row) of batch row b (cache_record.probe_rows:
+    every probe row lies below its batch row's past, so inside the history)."""
+    batch = _batch_index(probes.shape[0])
+    heads, rows = probes[..., 0], probes[..., 1]
+    return [history[batch, heads, rows].astype(np.float32, copy=False) for history in (call.history_key, call.history_value)]
 
 
 @functools.lru_cache(maxsize=64)
-def _gather_index(batch: int, kv_heads: int) -> tuple[np.ndarray, np.ndarray]:
-    """Index arrays (batch, 1, 1) and (1, kv heads, 1) that broadcast a (batch, 1, slots)
-    row index over every kv head: one gather for all probe rows of a tensor."""
-    return np.arange(batch)[:, None, None], np.arange(kv_heads)[None, :, None]
+def _batch_index(batch: int) -> np.ndarray:
+    """(batch, 1): the batch row of every probe, broadcast over the probes."""
+    return np.arange(batch)[:, None]

@@ -349,24 +349,24 @@ def decode_merge(shape: CallShape, tuning: Tuning, splits: int, cache: CacheForm
 PROBE_WORKGROUP = 256
 
 
-def probe_grid(shape: CallShape, slots: int) -> tuple[int, int, int]:
-    """The probe_compare grid for ``slots`` probe rows per (batch row, kv head): one flag per workgroup."""
-    vec4s = shape.batch_size * shape.attributes.kv_num_heads * slots * (shape.head_size // 4)
+def probe_grid(shape: CallShape, probes: int) -> tuple[int, int, int]:
+    """The probe_compare grid for ``probes`` probe rows per batch row: one flag per workgroup."""
+    vec4s = shape.batch_size * probes * (shape.head_size // 4)
     return _fold(max(1, -(-vec4s // PROBE_WORKGROUP)))
 
 
-def probe_compare(shape: CallShape, cache: CacheFormat, resources: Mapping[str, BufferRange], slots: int) -> Dispatch:
-    """The fast check on the GPU (probe_compare.wgsl.jinja): ``slots`` probe rows per
-    (batch row, kv head) of the caller's past against the cache, one flag per workgroup."""
+def probe_compare(shape: CallShape, cache: CacheFormat, resources: Mapping[str, BufferRange], probes: int) -> Dispatch:
+    """The fast check on the GPU (probe_compare.wgsl.jinja): ``probes`` (kv head, row) pairs
+    per batch row of the caller's past against the cache, one flag per workgroup."""
     program = Program(
         template="probe_compare.wgsl.jinja",
         bindings=(Binding("probe_slots", "u32"), Binding("row_past", "u32"), Binding("probe_key", VEC4), Binding("probe_value", VEC4),
                   Binding("key_cache", cache.vec), Binding("value_cache", cache.vec), Binding("probe_flags", "u32", writable=True)),
-        uniforms=(("batch", "u32"), ("kv_num_heads", "u32"), ("slots", "u32"), ("cache_rows", "u32")),
+        uniforms=(("batch", "u32"), ("kv_num_heads", "u32"), ("probes", "u32"), ("cache_rows", "u32")),
         constants=(("head_vec", shape.head_size // 4), ("workgroup_size", PROBE_WORKGROUP)),
     )
-    uniforms = dict(batch=shape.batch_size, kv_num_heads=shape.attributes.kv_num_heads, slots=slots, cache_rows=cache.rows)
-    return bind("probe_compare", program, resources, uniforms, probe_grid(shape, slots))
+    uniforms = dict(batch=shape.batch_size, kv_num_heads=shape.attributes.kv_num_heads, probes=probes, cache_rows=cache.rows)
+    return bind("probe_compare", program, resources, uniforms, probe_grid(shape, probes))
 
 
 def scratch_bytes(shape: CallShape, tuning: Tuning) -> dict[str, int]:
