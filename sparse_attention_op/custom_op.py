@@ -41,6 +41,8 @@ from typing import Callable
 
 import numpy as np
 
+from .ort_versions import ort_version_at
+
 #: ``OrtCustomOp.version`` this module fills in: the struct as of ORT API 17 (onnxruntime
 #: 1.17), the first with every member below. ORT refuses a version above its own.
 OP_VERSION = 17
@@ -81,11 +83,52 @@ class _Api:
         230: ("KernelInfo_GetInputCount", _P, (_P, _P)),  # API 14 on
         249: ("KernelInfoGetConstantInput_tensor", _P, (_P, _SIZE, _P, _P)),  # API 15 on
     }
+    #: API 24 (onnxruntime 1.24) on: a tensor's element type and a pointer to its shape in
+    #: one call, in place of the five calls of GetTensorTypeAndShape .. Release.
+    _SHAPE_REFERENCE = (414, "GetTensorElementTypeAndShapeDataReference", _P, (_P, _P, _P, _P))
 
     def __init__(self, address: int):
         table = ctypes.cast(address, ctypes.POINTER(_P))
         for slot, (name, result, arguments) in self._SLOTS.items():
             setattr(self, name, ctypes.PYFUNCTYPE(result, *arguments)(table[slot]))
+        #: The ORT version that owns the table, where it can be told (ort_versions.py).
+        self.version = ort_version_at(address)
+        self.locate = self._locate_reference if self.version is not None and self.version >= (1, 24) else self._locate_five_calls
+        if self.locate == self._locate_reference:
+            slot, name, result, arguments = self._SHAPE_REFERENCE
+            setattr(self, name, ctypes.PYFUNCTYPE(result, *arguments)(table[slot]))
+
+    def _locate_reference(self, value: int, index: int) -> tuple[int, tuple[int, ...]]:
+        """Where a tensor OrtValue's data lies, and its shape: two ORT calls."""
+        s = _scratch
+        status = self.GetTensorElementTypeAndShapeDataReference(value, s.element_address, s.shape_address, s.count_address)
+        if status:
+            _raise(self, status)
+        rank = s.count.value
+        if rank > _MAX_RANK:
+            raise OrtStatusError(f"input {index} has rank {rank}, more than {_MAX_RANK}")
+        if rank:
+            ctypes.memmove(s.dims, s.shape.value, 8 * rank)  # ORT's own shape array: read, never kept
+        status = self.GetTensorMutableData(value, s.data_address)
+        if status:
+            _raise(self, status)
+        return s.data.value, tuple(s.dims[:rank])
+
+    def _locate_five_calls(self, value: int, index: int) -> tuple[int, tuple[int, ...]]:
+        """The same through the calls every ORT of API 17 has: six ORT calls."""
+        s = _scratch
+        _check(self, self.GetTensorTypeAndShape(value, s.info_address))
+        try:
+            _check(self, self.GetDimensionsCount(s.info.value, s.count_address))
+            rank = s.count.value
+            if rank > _MAX_RANK:
+                raise OrtStatusError(f"input {index} has rank {rank}, more than {_MAX_RANK}")
+            _check(self, self.GetDimensions(s.info.value, s.dims, rank))
+            shape = tuple(s.dims[:rank])
+        finally:
+            self.ReleaseTensorTypeAndShapeInfo(s.info.value)
+        _check(self, self.GetTensorMutableData(value, s.data_address))
+        return s.data.value, shape
 
 
 #: ORT's function tables by address. One process can hold several copies of ORT (the Python
@@ -115,16 +158,22 @@ class OrtStatusError(RuntimeError):
 
 def _check(api: _Api, status) -> None:
     if status:
-        raise OrtStatusError(_error_text(api, status))
+        _raise(api, status)
+
+
+def _raise(api: _Api, status) -> None:
+    raise OrtStatusError(_error_text(api, status))
 
 
 class _Scratch(threading.local):
-    """Out-parameters of the ORT calls, per thread (ORT may run sessions on many threads)."""
+    """Out-parameters of the ORT calls, per thread (ORT may run sessions on many threads),
+    with their addresses (taken once: ctypes.addressof is a call too)."""
 
     def __init__(self):
-        self.value, self.info, self.count, self.data = _P(), _P(), _SIZE(), _P()
+        self.value, self.info, self.count, self.data, self.shape, self.element = _P(), _P(), _SIZE(), _P(), _P(), ctypes.c_int()
         self.dims = (ctypes.c_int64 * _MAX_RANK)()
-        self.addresses = tuple(ctypes.addressof(x) for x in (self.value, self.info, self.count, self.data))
+        self.value_address, self.info_address, self.count_address, self.data_address, self.shape_address, self.element_address = (
+            ctypes.addressof(x) for x in (self.value, self.info, self.count, self.data, self.shape, self.element))
 
 
 _scratch = _Scratch()
@@ -158,24 +207,6 @@ def view(pointer: int, shape: tuple[int, ...], dtype: np.dtype, writeable: bool)
     return array
 
 
-def _locate(api: _Api, value: int, index: int) -> tuple[int, tuple[int, ...]]:
-    """Where a tensor OrtValue's data lies, and its shape."""
-    s = _scratch
-    _, info, count, data = s.addresses
-    _check(api, api.GetTensorTypeAndShape(value, info))
-    try:
-        _check(api, api.GetDimensionsCount(s.info.value, count))
-        rank = s.count.value
-        if rank > _MAX_RANK:
-            raise OrtStatusError(f"input {index} has rank {rank}, more than {_MAX_RANK}")
-        _check(api, api.GetDimensions(s.info.value, s.dims, rank))
-        shape = tuple(s.dims[:rank])
-    finally:
-        api.ReleaseTensorTypeAndShapeInfo(s.info.value)
-    _check(api, api.GetTensorMutableData(value, data))
-    return s.data.value, shape
-
-
 class KernelContext:
     """One run of one node: its inputs as read-only views of ORT's tensors, its outputs as
     writable views of the buffers ORT allocates (or the caller bound) for them. Constant
@@ -190,14 +221,14 @@ class KernelContext:
     def input_count(self) -> int:
         """Inputs the node has (trailing optional ones it leaves out do not count)."""
         if self._inputs is None:
-            _check(self._api, self._api.KernelContext_GetInputCount(self._context, self._scratch.addresses[2]))
+            _check(self._api, self._api.KernelContext_GetInputCount(self._context, self._scratch.count_address))
             self._inputs = self._scratch.count.value
         return self._inputs
 
     def output_count(self) -> int:
         """Outputs the node has (trailing optional ones it leaves out do not count)."""
         if self._outputs is None:
-            _check(self._api, self._api.KernelContext_GetOutputCount(self._context, self._scratch.addresses[2]))
+            _check(self._api, self._api.KernelContext_GetOutputCount(self._context, self._scratch.count_address))
             self._outputs = self._scratch.count.value
         return self._outputs
 
@@ -214,29 +245,33 @@ class KernelContext:
 
     def input_pointer(self, index: int) -> tuple[int, tuple[int, ...]] | None:
         """Where input ``index`` lies and its shape, or None where the node leaves it out."""
-        s, api = self._scratch, self._api
-        value = s.addresses[0]
         if index >= self.input_count():
             return None
-        _check(api, api.KernelContext_GetInput(self._context, index, value))
+        s, api = self._scratch, self._api
+        status = api.KernelContext_GetInput(self._context, index, s.value_address)
+        if status:
+            _raise(api, status)
         if not s.value.value:
             return None
-        return _locate(api, s.value.value, index)
+        return api.locate(s.value.value, index)
 
     def output(self, index: int, shape: tuple[int, ...]) -> np.ndarray | None:
         """ORT's buffer for output ``index`` with ``shape`` (a bound output is that buffer,
         if its shape is this one: ORT raises otherwise), or None where the node leaves the
         output out. Contents are whatever the buffer held: write every element."""
-        s, api = self._scratch, self._api
-        value, _, _, data = s.addresses
         if index >= self.output_count():
             return None
+        s, api = self._scratch, self._api
         rank = len(shape)
         s.dims[:rank] = shape
-        _check(api, api.KernelContext_GetOutput(self._context, index, ctypes.addressof(s.dims), rank, value))
+        status = api.KernelContext_GetOutput(self._context, index, ctypes.addressof(s.dims), rank, s.value_address)
+        if status:
+            _raise(api, status)
         if not s.value.value:
             return None
-        _check(api, api.GetTensorMutableData(s.value.value, data))
+        status = api.GetTensorMutableData(s.value.value, s.data_address)
+        if status:
+            _raise(api, status)
         return view(s.data.value, shape, NUMPY_TYPES[self._declaration.outputs[index].element_type], writeable=True)
 
 
@@ -423,7 +458,7 @@ def _constant_inputs(api: _Api, info: int, declaration: OpDeclaration) -> dict[i
     for index in range(min(count.value, len(declaration.inputs))):
         _check(api, api.KernelInfoGetConstantInput_tensor(info, index, ctypes.addressof(is_constant), ctypes.addressof(value)))
         if is_constant.value and value.value:
-            pointer, shape = _locate(api, value.value, index)
+            pointer, shape = api.locate(value.value, index)
             constants[index] = view(pointer, shape, NUMPY_TYPES[declaration.inputs[index].element_type], writeable=False)
     return constants
 

@@ -119,3 +119,34 @@ def test_one_definition_per_name():
     define("SaoTestOnce", (Slot(FLOAT),), (Slot(FLOAT),), lambda kernel, context: None)
     with pytest.raises(ValueError, match="SaoTestOnce is defined already"):
         define("SaoTestOnce", (Slot(FLOAT),), (Slot(FLOAT),), lambda kernel, context: None)
+
+
+def test_both_ways_of_locating_a_tensor_agree_and_the_owning_ort_is_known(monkeypatch):
+    # ORT 1.24 on hands a tensor's shape in one call (slot 414); the kernels use it where
+    # the ORT that created them is known to have it, and the five calls of API 17 elsewhere.
+    # Both must read the same pointer and shape, for every rank (a scalar, an empty tensor).
+    agreed = []
+
+    def checked(api, value, index):
+        located = api._locate_reference(value, index)
+        assert located == api._locate_five_calls(value, index), index
+        agreed.append(located[1])
+        return located
+
+    def compute(kernel, context):
+        for index in range(3):
+            context.input(index)
+        context.output(0, (1,))[...] = 0
+
+    define("SaoTestLocate", (Slot(FLOAT), Slot(FLOAT), Slot(INT64)), (Slot(FLOAT),), compute)
+    sess = session("SaoTestLocate", [("a", TensorProto.FLOAT), ("b", TensorProto.FLOAT), ("c", TensorProto.INT64)], [("y", TensorProto.FLOAT)])
+    version = tuple(int(part) for part in ort.__version__.split(".")[:2])
+    apis = list(custom_op._apis.values())
+    assert apis and all(api.version == version for api in apis), "the Python module's ORT is the one that created the kernels"
+    if version < (1, 24):
+        pytest.skip(f"onnxruntime {ort.__version__} predates the one-call shape (API 24): only the five calls exist")
+    for api in apis:
+        assert api.locate == api._locate_reference
+        monkeypatch.setattr(api, "locate", lambda value, index, api=api: checked(api, value, index))
+    sess.run(None, {"a": np.array(2.5, np.float32), "b": np.zeros((3, 0, 2), np.float32), "c": np.arange(24, dtype=np.int64).reshape(2, 3, 4)})
+    assert agreed == [(), (3, 0, 2), (2, 3, 4)]
