@@ -415,7 +415,7 @@ class SparseAttentionCall:
     #: float16 presents hold exactly what the GPU holds.
     float16_storage: bool = False
     #: With a history (the caller's past, read in place): check it with the fast check.
-    #: The executor compares the probe rows (cache_record.probe_chunks of its record) with
+    #: The executor compares the probe rows (cache_record.probe_rows) with
     #: what the GPU holds, on the GPU, and reads the whole history (the exact check) only
     #: where a length or a probed row differs.
     fast_check: bool = False
