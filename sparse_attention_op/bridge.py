@@ -275,7 +275,9 @@ def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
         present is a buffer of its own (a plain run), the value rows, and the key rows
         unless the GPU rotates them."""
         for present, past in zip(presents, (past_key, past_value)):
-            if present is not None and present.ctypes.data != past.ctypes.data:
+            # Whole tensors of one shape overlap only if they are one buffer (bounds only:
+            # ndarray.ctypes builds a Python object per use, microseconds each in a step).
+            if present is not None and not np.may_share_memory(present, past):
                 copy_past(present, past)
         if presents[1] is not None:
             write_rows(presents[1], shape, call.new_rows("value"))
