@@ -17,7 +17,11 @@ one block layout:
 
 Columns, per case (medians over --reps calls after warm-up, which compiles the shaders):
 
-* GPU ms: the sum of the call's dispatches, from GPU timestamp queries.
+* GPU ms: the sum of the call's dispatches, from GPU timestamp queries, each dispatch timed
+  in a compute pass of its own.
+* one pass ms: the same calls run again with their dispatches timed as the one compute pass
+  an untimed call records (each timed pass costs the GPU a few microseconds even empty: a
+  two-dispatch decode step pays it once here, twice in GPU ms).
 * call ms: one ``executor.run``: uploads, dispatches, read-back of the output to numpy.
   A decode step in steady state: the first call of a case uploads the history, later ones
   find it resident (``build_call(with_history=False)``), so decode calls advance one token
@@ -174,6 +178,10 @@ class Row:
     gpu_samples_ms: list = field(default_factory=list)
     call_samples_ms: list = field(default_factory=list)
     gpu_dispatch_ms: dict = field(default_factory=dict)  # median per dispatch label
+    #: The same calls' dispatches timed as the one compute pass an untimed call records
+    #: (ExecutionSettings.profile_whole_pass): gpu_ms times each dispatch in a pass of its
+    #: own, and each timed pass costs the GPU a few microseconds even empty (BENCHMARKS.md).
+    one_pass_ms: float | None = None
 
     @property
     def achieved(self) -> float | None:
@@ -186,7 +194,7 @@ class Row:
     def cells(self) -> list[str]:
         achieved = "" if self.achieved is None else f" ({100 * self.achieved:.2g}%)"
         case = f"prefill {self.length}" if self.kind == "prefill" else f"decode at {self.length}"
-        return [case, Layout(self.layout).label, f"{self.density:.3f}", self.cache, ms_cell(self.gpu_ms), ms_cell(self.call_ms),
+        return [case, Layout(self.layout).label, f"{self.density:.3f}", self.cache, ms_cell(self.gpu_ms), ms_cell(self.one_pass_ms), ms_cell(self.call_ms),
                 ms_cell(self.roofline_ms) + achieved, ms_cell(self.torch_ms), ms_cell(self.ort_ms), f"{self.max_error:.1e}"]
 
 
@@ -199,11 +207,11 @@ def ms_cell(value: float | None) -> str:
     return f"{value:.{max(2, 2 - math.floor(math.log10(value)))}f}"
 
 
-COLUMNS = ("Columns: density = selected causal (query, key) pairs / all causal pairs; GPU ms = the call's dispatches "
-           "(GPU timestamps); call ms = one executor.run, uploads and read-back included; roofline = selected flops at the fp32 "
+COLUMNS = ("Columns: density = selected causal (query, key) pairs / all causal pairs; GPU ms = the call's dispatches, one timed pass each "
+           "(GPU timestamps); one pass ms = the same as one timed pass; call ms = one executor.run, uploads and read-back included; roofline = selected flops at the fp32 "
            "rate (prefill) or selected K/V bytes at the bandwidth (decode), achieved = roofline / GPU ms; torch SDPA = dense "
            "fp32 (CUDA events); ORT CPU = onnxruntime's own kernel (wall); max err = sampled rows against float64.")
-HEADER = ["case", "layout", "density", "cache", "GPU ms", "call ms", "roofline ms (achieved)", "torch SDPA ms", "ORT CPU ms", "max err"]
+HEADER = ["case", "layout", "density", "cache", "GPU ms", "one pass ms", "call ms", "roofline ms (achieved)", "torch SDPA ms", "ORT CPU ms", "max err"]
 
 
 def sweep_cases(args) -> list[Case]:
@@ -253,8 +261,9 @@ def work(case: Case, inputs: dict, cache_itemsize: int, args) -> tuple[float, fl
 # -- measurements ---------------------------------------------------------------------
 
 
-def run_webgpu(case: Case, inputs: dict, reps: int):
+def run_webgpu(case: Case, inputs: dict, reps: int, whole_pass: bool = False):
     """Warm-up, then ``reps`` timed calls: (their CallStats, the last output, the GPU cache's itemsize).
+    With ``whole_pass``, each call's dispatches are timed as its one pass (CallStats.gpu_seconds["pass"]).
 
     Decode steps advance one token per call, from history ``length - reps - 1`` (whose call
     uploads the history) to ``length``; after each, the host history gets the row the GPU
@@ -262,7 +271,7 @@ def run_webgpu(case: Case, inputs: dict, reps: int):
     executor = get_executor()
     attributes = OpAttributes.from_mapping(case.config().node_attributes())
     node_key = f"bench/{case.shape_key}/{case.cache}"
-    settings = ExecutionSettings(profile=True)
+    settings = ExecutionSettings(profile=True, profile_whole_pass=whole_pass)
     f16 = case.cache == "f16"
     results = []
     try:
@@ -343,6 +352,9 @@ def measure(case: Case, args, baselines: dict) -> Row:
     measured once per shape (torch: per length, being dense; ORT: per layout too) and shared
     by the f32 and f16 variants: both compute in float32 either way."""
     inputs = case.inputs()
+    # The one-pass timing first, on copies: a decode run writes its rows into the inputs'
+    # history, which the spot check then reads from the second, per-dispatch run.
+    one_pass, _, _ = run_webgpu(case, {name: array.copy() for name, array in inputs.items()}, args.reps, whole_pass=True)
     stats, output, itemsize = run_webgpu(case, inputs, args.reps)
     config = case.config()
     error = spot_check(inputs, output, config.sparse_block_size, 8, np.random.default_rng(zlib.crc32(case.label.encode())))
@@ -355,13 +367,15 @@ def measure(case: Case, args, baselines: dict) -> Row:
     torch_s, torch_variant = baselines.get(torch_key, (None, None))
     ort_s = baselines.get(ort_key)
     gpu = [s.gpu_total for s in stats if s.gpu_total is not None]
+    passes = [s.gpu_total for s in one_pass if s.gpu_total is not None]
     labels = stats[0].gpu_seconds.keys()
 
     def ms(seconds):
         return None if seconds is None else seconds * 1e3
 
     return Row(kind=case.kind, length=case.length, capacity=case.capacity, layout=case.layout.name, cache=case.cache, density=density,
-               gpu_ms=ms(statistics.median(gpu)) if gpu else None, call_ms=ms(statistics.median(s.seconds for s in stats)),
+               gpu_ms=ms(statistics.median(gpu)) if gpu else None,
+               one_pass_ms=ms(statistics.median(passes)) if passes else None, call_ms=ms(statistics.median(s.seconds for s in stats)),
                roofline_ms=ms(roofline_s), roofline_work=amount, torch_ms=ms(torch_s), torch_variant=torch_variant, ort_ms=ms(ort_s), max_error=error,
                tolerance=TOLERANCE[case.cache], gpu_samples_ms=[ms(g) for g in gpu], call_samples_ms=[ms(s.seconds) for s in stats],
                gpu_dispatch_ms={label: ms(statistics.median(s.gpu_seconds[label] for s in stats)) for label in labels})
