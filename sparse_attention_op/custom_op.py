@@ -93,10 +93,12 @@ class _Api:
             setattr(self, name, ctypes.PYFUNCTYPE(result, *arguments)(table[slot]))
         #: The ORT version that owns the table, where it can be told (ort_versions.py).
         self.version = ort_version_at(address)
-        self.locate = self._locate_reference if self.version is not None and self.version >= (1, 24) else self._locate_five_calls
-        if self.locate == self._locate_reference:
+        one_call = self.version is not None and self.version >= (1, 24)
+        if one_call:  # (a slot beyond an older table's end must never be read)
             slot, name, result, arguments = self._SHAPE_REFERENCE
             setattr(self, name, ctypes.PYFUNCTYPE(result, *arguments)(table[slot]))
+        #: locate(value, index) -> (data pointer, shape) of a tensor OrtValue.
+        self.locate = self._locate_reference if one_call else self._locate_five_calls
 
     def _locate_reference(self, value: int, index: int) -> tuple[int, tuple[int, ...]]:
         """Where a tensor OrtValue's data lies, and its shape: two ORT calls."""

@@ -150,3 +150,14 @@ def test_both_ways_of_locating_a_tensor_agree_and_the_owning_ort_is_known(monkey
         monkeypatch.setattr(api, "locate", lambda value, index, api=api: checked(api, value, index))
     sess.run(None, {"a": np.array(2.5, np.float32), "b": np.zeros((3, 0, 2), np.float32), "c": np.arange(24, dtype=np.int64).reshape(2, 3, 4)})
     assert agreed == [(), (3, 0, 2), (2, 3, 4)]
+
+
+def test_an_ort_that_cannot_be_named_gets_the_five_calls():
+    # Heap memory lies in no library: its "ORT" has no version, so a table there would be
+    # read only up to the slots every supported ORT has.
+    import ctypes
+
+    from sparse_attention_op.ort_versions import _parse, ort_version_at
+
+    assert ort_version_at(ctypes.addressof(ctypes.c_int64())) is None
+    assert _parse("1.32.0") == (1, 32) and _parse("1.24.0.dev20260101") == (1, 24) and _parse("unknown") is None
