@@ -465,14 +465,17 @@ def test_refused_call_under_a_plain_session_raises_and_logs(executor, rng, caplo
     assert any("key_total_sequence_lengths" in r.getMessage() and "sparse_attention" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("chunk_bytes", [0, 1024])
 @pytest.mark.parametrize("kv_check", MODES)
-def test_uploads_through_the_staging_buffer(executor, rng, monkeypatch, kv_check):
-    # Large uploads (a prefill, a long history) go through a kept staging buffer filled
-    # with parallel copies; force that path on small calls, over a restart and a reorder.
+def test_uploads_through_the_staging_buffer(executor, rng, monkeypatch, kv_check, chunk_bytes):
+    # Large uploads (a prefill, a long history) go through kept staging buffers filled with
+    # parallel copies, and large transfers both ways move in chunks; force both on small
+    # calls (whole, and in chunks of 1 KiB), over a restart and a reorder.
     from sparse_attention_op import host_threads
     from sparse_attention_op.webgpu import buffers
 
     monkeypatch.setattr(buffers, "STAGING_BYTES", 0)
+    monkeypatch.setattr(buffers, "TRANSFER_CHUNK_BYTES", chunk_bytes)
     monkeypatch.setattr(host_threads, "PARALLEL_BYTES", 1024)
     generation = Generation(new_session(rng, kv_check), rng, "shared")
     for _ in range(3):

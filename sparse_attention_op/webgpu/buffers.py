@@ -9,6 +9,11 @@ Measured (docs/design.md section 3; ``scripts/measure_platform.py``):
 * Reading back through our own MAP_READ buffer avoids the queue's read helper's per-call
   allocation and submit. Maps wait on the calling thread (mapping.py), not through
   wgpu-py's poll thread, and add no empty submit before a read.
+* A large transfer (a prompt's packed query in, its output and rotated keys out: 201 and
+  167 MB at 8192 tokens of Phi-3-small) moves in chunks (:func:`layout_chunks`) through two
+  staging or read-back buffers in turn, each chunk's GPU copy submitted as soon as it can
+  run, so that the GPU copies one chunk while the host copies the next. Moved whole, the
+  host's copy and the GPU's copy of a transfer would run one after the other.
 
 Buffers are named and only grow (by half again, so a slowly growing need does not
 reallocate every call). The executor keeps one :class:`BufferPool` for the transient
@@ -23,7 +28,10 @@ import os
 import numpy as np
 import wgpu
 
+from typing import NamedTuple
+
 from .. import host_threads
+from . import recording
 from .mapping import mapped
 from .programs import BufferRange
 
@@ -37,9 +45,13 @@ _PACK_BYTES = 1 << 18
 #: host: fresh staging memory faults in at a few GB/s; SAO_STAGING_BYTES overrides, for
 #: measuring the two paths).
 STAGING_BYTES = int(os.environ.get("SAO_STAGING_BYTES", 4 << 20))
-#: The upload staging buffer is kept between calls up to this size; larger uploads (a long
-#: history fetched once) get a buffer of their own, freed after the call.
-_KEEP_STAGING_BYTES = 512 << 20
+#: Transfers larger than this move in chunks of at most this many bytes (layout_chunks):
+#: two kept buffers of this size per direction serve any transfer. SAO_TRANSFER_CHUNK_BYTES
+#: overrides, for measuring; 0 moves every transfer whole.
+TRANSFER_CHUNK_BYTES = int(os.environ.get("SAO_TRANSFER_CHUNK_BYTES", 32 << 20))
+#: Staging buffers are kept between calls up to this size; a larger one (an upload moved
+#: whole) is made for its call and freed after it.
+_KEEP_BYTES = 512 << 20
 
 STORAGE_IN = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_DST
 STORAGE_OUT = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC
@@ -103,8 +115,8 @@ class Upload:
     ``section`` reserves an aligned section of the call's input buffer for an array and
     returns where a kernel binds it; ``write`` targets a range of another buffer (history rows
     into a cache). ``encode`` moves everything before the call's dispatches: small uploads
-    through ``queue.write_buffer`` (one packed write for the sections), large ones through a
-    staging buffer we keep mapped-for-write between calls and fill with parallel copies
+    through ``queue.write_buffer`` (one packed write for the sections), large ones through
+    two staging buffers kept between calls, chunk by chunk, each filled with parallel copies
     (fresh memory is slow to fault in, in VMs above all; a kept buffer is warm).
     """
 
@@ -136,9 +148,8 @@ class Upload:
         ``spin_seconds``: see mapping.mapped). ``packing(nbytes)`` may lend the uint8 host
         array the small sections are packed in (one kept between calls is warm in the CPU's
         caches; without it a fresh one is allocated and zeroed)."""
-        total = self.section_bytes + self._write_bytes
-        if total > STAGING_BYTES:
-            self._through_staging(self._items(inputs), total, device, commands, pool, spin_seconds)
+        if self.section_bytes + self._write_bytes > STAGING_BYTES:
+            self._through_staging(self._items(inputs), device, commands, pool, spin_seconds)
         elif self._sections and self.section_bytes <= _PACK_BYTES:
             # The padding between sections is never read (a test lends an array of all-ones
             # bytes to prove it), so a lent array's may hold old bytes. Sections hold 4-byte
@@ -158,24 +169,30 @@ class Upload:
         return [(array, inputs, offset) for array, offset in self._sections] + self._writes
 
     @staticmethod
-    def _through_staging(items, total: int, device, commands, pool: BufferPool, spin_seconds: float) -> None:
-        kept = total <= _KEEP_STAGING_BYTES
+    def _through_staging(items, device, commands, pool: BufferPool, spin_seconds: float) -> None:
+        """Every item through staging buffers filled with parallel copies, chunk by chunk:
+        each chunk's copies are submitted once it is filled (the last one's go into
+        ``commands``, ahead of the call's dispatches), so the GPU moves one chunk while the
+        host fills the next; a buffer's next map waits for its last chunk's copies."""
+        data = [array.reshape(-1).view(np.uint8) for array, _, _ in items]
+        chunks = layout_chunks([d.nbytes for d in data], TRANSFER_CHUNK_BYTES)
         usage = wgpu.BufferUsage.MAP_WRITE | wgpu.BufferUsage.COPY_SRC
-        staging = pool.get("upload", total, usage) if kept else device.create_buffer(size=aligned(total), usage=usage)
-        with mapped(device, staging, True, 0, aligned(total), spin_seconds) as memory:
-            offset = 0
-            for array, destination, destination_offset in items:
-                data = array.reshape(-1).view(np.uint8)
-                host_threads.copy(memory[offset : offset + data.nbytes], data)
-                offset += aligned(data.nbytes)
-        offset = 0
-        for array, destination, destination_offset in items:
-            commands.copy_buffer_to_buffer(staging, offset, destination, destination_offset, -(-array.nbytes // 4) * 4)
-            offset += aligned(array.nbytes)
-        if not kept:
-            # Destroyed only after the submit that reads it (a destroyed buffer in a submit
-            # is a fatal wgpu-native error): the executor calls release_temporaries().
-            pool.temporaries.append(staging)
+        for number, pieces in enumerate(chunks):
+            staging = _staging_buffer(pool, device, f"upload.{number % 2}", chunk_bytes(pieces), usage)
+            with mapped(device, staging, True, 0, chunk_bytes(pieces), spin_seconds) as memory:
+                for piece in pieces:
+                    host_threads.copy(memory[piece.offset : piece.offset + piece.nbytes], data[piece.item][piece.start : piece.end])
+            last = number == len(chunks) - 1
+            target = commands if last else recording.begin(device, False)
+            try:
+                for piece in pieces:
+                    _, destination, destination_offset = items[piece.item]
+                    target.copy_buffer_to_buffer(staging, piece.offset, destination, destination_offset + piece.start, _words(piece.nbytes))
+                if not last:
+                    target.submit()
+            finally:
+                if not last:
+                    target.release()
 
 
 def _write(commands, buffer, offset: int, array: np.ndarray) -> None:
@@ -186,43 +203,123 @@ def _write(commands, buffer, offset: int, array: np.ndarray) -> None:
 
 
 class Download:
-    """GPU ranges copied into one mapped read-back buffer, then straight into host arrays.
+    """GPU ranges copied into mapped read-back buffers, then straight into host arrays.
 
-    The read-back buffer is kept between calls (a fresh one would fault its pages in on
-    every large call), sized by the largest call so far."""
+    A transfer of one chunk (every decode step's) is one copy into one read-back buffer,
+    mapped once. A larger one alternates between two: the call's command buffer copies the
+    first chunk, the next chunk's copy is submitted before the first is read, and each read
+    chunk's buffer takes the chunk after next, so the GPU copies while the host reads. The
+    read-back buffers are kept between calls (fresh ones would fault their pages in on every
+    large call), sized by the largest chunk so far."""
 
     def __init__(self, pool: BufferPool, device, spin_seconds: float = 0.0):
         self._pool = pool
         self._device = device
         self._spin_seconds = spin_seconds  # see mapping.mapped
-        self._items: list[tuple[np.ndarray, BufferRange, int]] = []
-        self._size = 0
-        self._staging = None
+        self._items: list[tuple[np.ndarray, BufferRange]] = []
+        self._chunks: list[list[Piece]] = []
+        self._buffers = [None, None]
 
     def add(self, destination: np.ndarray, source: BufferRange) -> None:
-        self._items.append((destination, source, self._size))
-        self._size += aligned(destination.nbytes)
+        self._items.append((destination, source))
 
     def encode(self, commands) -> None:
-        if not self._items:
-            return
-        self._staging = self._pool.get("readback", self._size, wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
-        # Ranges laid out in their source buffer as they are in the read-back buffer (the
-        # sections of one results buffer) move in one copy.
-        runs = []
-        for destination, source, offset in self._items:
-            end = offset + -(-destination.nbytes // 4) * 4
-            if runs and runs[-1][0] is source.buffer and source.offset - runs[-1][1] == offset - runs[-1][2]:
-                runs[-1][3] = end
-            else:
-                runs.append([source.buffer, source.offset, offset, end])
-        for buffer, source_offset, offset, end in runs:
-            commands.copy_buffer_to_buffer(buffer, source_offset, self._staging, offset, end - offset)
+        """Record the first chunk's copies into the call's command buffer."""
+        if self._items:
+            self._chunks = layout_chunks([destination.nbytes for destination, _ in self._items], TRANSFER_CHUNK_BYTES)
+            self._copy_chunk(commands, 0)
 
     def read(self) -> None:
-        """Wait for the GPU, then copy each range into its host array."""
-        if self._staging is None:
-            return
-        with mapped(self._device, self._staging, False, 0, self._size, self._spin_seconds) as memory:
-            for destination, _, offset in self._items:
-                host_threads.copy(destination.reshape(-1).view(np.uint8), memory[offset : offset + destination.nbytes])
+        """Wait for the GPU, then copy each range into its host array, chunk by chunk."""
+        if len(self._chunks) > 1:
+            self._submit_chunk(1)
+        for number, pieces in enumerate(self._chunks):
+            with mapped(self._device, self._buffers[number % 2], False, 0, chunk_bytes(pieces), self._spin_seconds) as memory:
+                for piece in pieces:
+                    destination = self._items[piece.item][0].reshape(-1).view(np.uint8)
+                    host_threads.copy(destination[piece.start : piece.end], memory[piece.offset : piece.offset + piece.nbytes])
+            if number + 2 < len(self._chunks):
+                self._submit_chunk(number + 2)
+
+    def _copy_chunk(self, commands, number: int) -> None:
+        pieces = self._chunks[number]
+        buffer = self._buffers[number % 2] = self._pool.get(f"readback.{number % 2}", chunk_bytes(pieces),
+                                                            wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
+        # Pieces laid out in their source buffer as they are in the read-back buffer (the
+        # sections of one results buffer) move in one copy.
+        runs = []
+        for piece in pieces:
+            source = self._items[piece.item][1]
+            start, end = source.offset + piece.start, piece.offset + _words(piece.nbytes)
+            if runs and runs[-1][0] is source.buffer and start - runs[-1][1] == piece.offset - runs[-1][2]:
+                runs[-1][3] = end
+            else:
+                runs.append([source.buffer, start, piece.offset, end])
+        for source_buffer, source_offset, offset, end in runs:
+            commands.copy_buffer_to_buffer(source_buffer, source_offset, buffer, offset, end - offset)
+
+    def _submit_chunk(self, number: int) -> None:
+        commands = recording.begin(self._device, False)
+        try:
+            self._copy_chunk(commands, number)
+            commands.submit()
+        finally:
+            commands.release()
+
+
+class Piece(NamedTuple):
+    """Bytes [start, end) of a transfer's item, at ``offset`` in its chunk's buffer (a tuple:
+    a decode step lays out three)."""
+
+    item: int
+    start: int
+    end: int
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def layout_chunks(sizes: list[int], chunk_bytes: int) -> list[list[Piece]]:
+    """Items of these byte sizes laid out, in order, in buffers ("chunks") of at most
+    ``chunk_bytes`` each (0: one buffer for all), every piece at an aligned offset. An item
+    longer than its chunk's room is cut at aligned byte offsets and goes on in the next."""
+    room = max(ALIGNMENT, aligned(chunk_bytes)) if chunk_bytes > 0 else None
+    chunks, pieces, used = [], [], 0
+    for item, size in enumerate(sizes):
+        start = 0
+        while True:
+            if room is not None and used >= room:
+                chunks.append(pieces)
+                pieces, used = [], 0
+            end = size if room is None else min(size, start + room - used)
+            pieces.append(Piece(item, start, end, used))
+            used += aligned(end - start)
+            start = end
+            if start >= size:
+                break
+    if pieces:
+        chunks.append(pieces)
+    return chunks
+
+
+def chunk_bytes(pieces: list[Piece]) -> int:
+    """The buffer bytes a chunk's pieces take."""
+    return pieces[-1].offset + aligned(pieces[-1].nbytes)
+
+
+def _words(nbytes: int) -> int:
+    """Copies move whole 4-byte words (room for the last one's padding is always there)."""
+    return -(-nbytes // 4) * 4
+
+
+def _staging_buffer(pool: BufferPool, device, name: str, nbytes: int, usage: int):
+    """A kept staging buffer of the pool, or (beyond _KEEP_BYTES: an upload moved whole) one
+    freed after the call's submit: a destroyed buffer in a submit is a fatal wgpu-native
+    error, so the executor calls release_temporaries() only then."""
+    if nbytes <= _KEEP_BYTES:
+        return pool.get(name, nbytes, usage)
+    buffer = device.create_buffer(size=aligned(nbytes), usage=usage)
+    pool.temporaries.append(buffer)
+    return buffer
