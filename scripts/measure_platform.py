@@ -2,7 +2,8 @@
 """Measure the platform facts the design rests on (docs/design.md sections 2 and 3).
 
     python scripts/measure_platform.py                 # everything, a few seconds
-    python scripts/measure_platform.py --only wgpu     # one group: wgpu, cold, copies, bridge, digest
+    python scripts/measure_platform.py --only wgpu     # one group: wgpu, cold, copies, bridge, digest, transfers
+    python scripts/measure_platform.py --only transfers --transfer-mb 201 167 --chunks-mb 0 64 32 16 8
 
 Every figure is a median over repeated calls after a warm-up, printed as a markdown table
 with the machine and the command, so it can be pasted into the docs as it is.
@@ -18,6 +19,10 @@ with the machine and the command, so it can be pasted into the docs as it is.
 - bridge: one call of a custom op of custom_op.py that does nothing (ORT's call into Python
   and back), with one input and with eleven, against a session of one Identity node.
 - digest: the per-chunk 64-bit digest of history rows the exact cache check computes.
+- transfers: a prompt's two large transfers (the packed query up through staging, results
+  back through read-back; Phi-3-small at 8192 tokens: 201 and 167 MB) through buffers.py's
+  Upload and Download, moved whole and in chunks of each size (Tuning.transfer_chunk_bytes),
+  in turn: the host's side up to the submit, then the wait and the read.
 """
 
 from __future__ import annotations
@@ -279,12 +284,61 @@ def measure_digest() -> None:
         row(f"(1, 8, {rows}, 128) float32, 2-row chunks", seconds * 1e6, f"{history.nbytes / seconds / 1e9:.1f} GB/s")
 
 
+def measure_transfers(megabytes: tuple[int, int], chunks_mb: list[int], spin: float | None = None, rounds: int = 6) -> None:
+    from sparse_attention_op.webgpu import get_executor, recording
+    from sparse_attention_op.webgpu.buffers import BufferPool, Download, Upload
+    from sparse_attention_op.webgpu.programs import BufferRange
+
+    import wgpu
+
+    context = get_executor().context
+    device = context.device
+    spin = get_executor().tuning.map_spin_seconds if spin is None else spin
+    up, down = (mb << 20 for mb in megabytes)
+    print(f"\n### {megabytes[0]} MB up through staging, {megabytes[1]} MB back, {context.description} (ms, median of "
+          f"{rounds - 1} rounds; maps spin {spin * 1e3:g} ms)\n\n| chunk | upload and submit | wait and read | total |\n|---|---|---|---|")
+    host_in = np.random.default_rng(0).standard_normal(up // 4, dtype=np.float32)
+    host_out = np.empty(down // 4, np.float32)
+    middle = device.create_buffer(size=max(up, down), usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_DST | wgpu.BufferUsage.COPY_SRC)
+    pool = BufferPool(device, 1 << 40)  # staging and read-back buffers are never bound
+    times = {chunk: [] for chunk in chunks_mb}
+    for round_index in range(rounds):  # chunk sizes in turn, the first round a warm-up
+        for chunk in chunks_mb:
+            start = time.perf_counter()
+            upload = Upload()
+            upload.section(host_in)
+            commands = recording.begin(device, False)
+            upload.encode(device, commands, pool, middle, spin, chunk_bytes=chunk << 20)
+            download = Download(pool, device, spin, chunk_bytes=chunk << 20)
+            download.add(host_out, BufferRange(middle, 0, down))
+            download.encode(commands)
+            commands.submit()
+            submitted = time.perf_counter()
+            download.read()
+            if round_index:
+                times[chunk].append((submitted - start, time.perf_counter() - submitted))
+        if not np.array_equal(host_out, host_in[: host_out.size]):
+            raise AssertionError("a transfer lost bytes")
+    for chunk in chunks_mb:
+        sent, read = (statistics.median(t[i] for t in times[chunk]) * 1e3 for i in (0, 1))
+        print(f"| {'whole' if chunk == 0 else f'{chunk} MiB'} | {sent:.2f} | {read:.2f} | {sent + read:.2f} |", flush=True)
+    pool.release()
+    middle.destroy()
+
+
+GROUPS = ["wgpu", "cold", "copies", "bridge", "digest", "transfers"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", choices=["wgpu", "cold", "copies", "bridge", "digest"], nargs="*")
+    parser.add_argument("--only", choices=GROUPS, nargs="*")
     parser.add_argument("--capacities", type=positive, nargs="*", default=[8192, 131072])
+    parser.add_argument("--transfer-mb", type=positive, nargs=2, default=[201, 167], metavar=("UP", "DOWN"),
+                        help="transfers: MB up and back (default: a prompt of 8192 tokens; lavapipe binds at most 128 MiB)")
+    parser.add_argument("--chunks-mb", type=int, nargs="*", default=[0, 64, 32, 16, 8, 2], help="transfers: chunk sizes, 0 for whole")
+    parser.add_argument("--spin-seconds", type=float, default=None, help="transfers: how long maps spin before they block (default: the adapter's tuning)")
     args = parser.parse_args()
-    groups = args.only or ["wgpu", "cold", "copies", "bridge", "digest"]
+    groups = args.only or GROUPS
     print(f"# {' '.join(sys.argv)}\n# {platform.node()} ({os.cpu_count()} CPUs), numpy {np.__version__}")
     if "wgpu" in groups:
         measure_wgpu()
@@ -296,6 +350,8 @@ def main() -> int:
         measure_bridge()
     if "digest" in groups:
         measure_digest()
+    if "transfers" in groups:
+        measure_transfers(tuple(args.transfer_mb), args.chunks_mb, args.spin_seconds)
     return 0
 
 

@@ -6,6 +6,7 @@ place; ``ort_values`` feeds OrtValues (run_with_ort_values). Every step is compa
 float64 reference; the node's call statistics say how many history rows were compared and
 how many went to the GPU (functional checks, not timings)."""
 
+import dataclasses
 import logging
 import re
 
@@ -475,7 +476,7 @@ def test_uploads_through_the_staging_buffer(executor, rng, monkeypatch, kv_check
     from sparse_attention_op.webgpu import buffers
 
     monkeypatch.setattr(buffers, "STAGING_BYTES", 0)
-    monkeypatch.setattr(buffers, "TRANSFER_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(executor, "tuning", dataclasses.replace(executor.tuning, transfer_chunk_bytes=chunk_bytes))
     monkeypatch.setattr(host_threads, "PARALLEL_BYTES", 1024)
     generation = Generation(new_session(rng, kv_check), rng, "shared")
     for _ in range(3):

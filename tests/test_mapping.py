@@ -44,12 +44,24 @@ def test_only_gpu_adapters_spin_while_they_wait():
     assert choose_tuning(limits, frozenset(), "CPU").map_spin_seconds == 0
 
 
+def test_prompts_move_whole_and_chunks_fit_a_binding(monkeypatch):
+    from sparse_attention_op.webgpu.tuning import choose_tuning
+
+    monkeypatch.delenv("SAO_TRANSFER_CHUNK_BYTES", raising=False)
+    limits = {"max-storage-buffer-binding-size": 1 << 31, "max-compute-workgroup-storage-size": 49152}
+    assert choose_tuning(limits, frozenset(), "DiscreteGPU").transfer_chunk_bytes == 256 << 20
+    small = {**limits, "max-storage-buffer-binding-size": 128 << 20}
+    assert choose_tuning(small, frozenset(), "CPU").transfer_chunk_bytes == 128 << 20, "a chunk's buffers must fit a binding"
+    monkeypatch.setenv("SAO_TRANSFER_CHUNK_BYTES", "0")
+    assert choose_tuning(limits, frozenset(), "DiscreteGPU").transfer_chunk_bytes == 0
+
+
 # -- transfers in chunks (webgpu/buffers.py) ------------------------------------------------
 @pytest.mark.parametrize("chunk_bytes", [0, 256, 1000, 4096, 1 << 20])
 def test_layout_chunks_place_every_byte_once_in_order(chunk_bytes):
     # Pure host code: each item's pieces cover it in order, cut only at aligned offsets;
     # each chunk's pieces sit back to back at aligned offsets within the chunk's room.
-    from sparse_attention_op.webgpu.buffers import ALIGNMENT, aligned, chunk_bytes as used_bytes, layout_chunks
+    from sparse_attention_op.webgpu.buffers import ALIGNMENT, aligned, layout_chunks, used_bytes
 
     sizes = [1, 3, 0, 255, 256, 257, 4000, 12, 70000, 1024]
     chunks = layout_chunks(sizes, chunk_bytes)
@@ -79,7 +91,6 @@ def test_an_upload_and_a_read_back_in_chunks_move_every_byte(monkeypatch, chunk_
     from sparse_attention_op.webgpu.programs import BufferRange
 
     monkeypatch.setattr(buffers, "STAGING_BYTES", 0)  # every upload through the staging buffers
-    monkeypatch.setattr(buffers, "TRANSFER_CHUNK_BYTES", chunk_bytes)
     context = get_executor().context
     device, pool = context.device, BufferPool(context.device, context.max_binding_bytes)
     rng = np.random.default_rng(1)
@@ -89,9 +100,9 @@ def test_an_upload_and_a_read_back_in_chunks_move_every_byte(monkeypatch, chunk_
         offsets = [upload.section(array) for array in arrays]
         middle = device.create_buffer(size=upload.section_bytes, usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_DST | wgpu.BufferUsage.COPY_SRC)
         commands = recording.begin(device, False)
-        upload.encode(device, commands, pool, middle)
+        upload.encode(device, commands, pool, middle, chunk_bytes=chunk_bytes)
         results = [np.full_like(array, np.nan) for array in arrays]
-        download = Download(pool, device)
+        download = Download(pool, device, chunk_bytes=chunk_bytes)
         for result, offset in zip(results, offsets):
             download.add(result, BufferRange(middle, offset, aligned(result.nbytes)))
         download.encode(commands)

@@ -9,16 +9,12 @@ Measured (docs/design.md section 3; ``scripts/measure_platform.py``):
 * Reading back through our own MAP_READ buffer avoids the queue's read helper's per-call
   allocation and submit. Maps wait on the calling thread (mapping.py), not through
   wgpu-py's poll thread, and add no empty submit before a read.
-* A large transfer (a prompt's packed query in, its output and rotated keys out: 201 and
-  167 MB at 8192 tokens of Phi-3-small) moves in chunks (:func:`layout_chunks`) through two
-  staging or read-back buffers in turn, each chunk's GPU copy submitted as soon as it can
-  run, so that the GPU copies one chunk while the host copies the next. Moved whole, the
-  host's copy and the GPU's copy of a transfer would run one after the other.
-
-Buffers are named and only grow (by half again, so a slowly growing need does not
-reallocate every call). The executor keeps one :class:`BufferPool` for the transient
-buffers every call uses (they are shared by all nodes: calls run one at a time) and one
-per node for what must survive between calls.
+* A transfer larger than a chunk (Tuning.transfer_chunk_bytes: 256 MiB, at most the binding
+  limit) moves in chunks (:func:`layout_chunks`) through two staging or read-back buffers in
+  turn, each chunk's copy submitted as soon as it can run. Two chunk-sized buffers per
+  direction then serve a transfer of any size. Smaller chunks, so that the driver copies one
+  while the host copies another, measured slower (tuning.py says where): a prompt's
+  transfers move whole.
 """
 
 from __future__ import annotations
@@ -45,10 +41,6 @@ _PACK_BYTES = 1 << 18
 #: host: fresh staging memory faults in at a few GB/s; SAO_STAGING_BYTES overrides, for
 #: measuring the two paths).
 STAGING_BYTES = int(os.environ.get("SAO_STAGING_BYTES", 4 << 20))
-#: Transfers larger than this move in chunks of at most this many bytes (layout_chunks):
-#: two kept buffers of this size per direction serve any transfer. SAO_TRANSFER_CHUNK_BYTES
-#: overrides, for measuring; 0 moves every transfer whole.
-TRANSFER_CHUNK_BYTES = int(os.environ.get("SAO_TRANSFER_CHUNK_BYTES", 32 << 20))
 #: Staging buffers are kept between calls up to this size; a larger one (an upload moved
 #: whole) is made for its call and freed after it.
 _KEEP_BYTES = 512 << 20
@@ -116,8 +108,8 @@ class Upload:
     returns where a kernel binds it; ``write`` targets a range of another buffer (history rows
     into a cache). ``encode`` moves everything before the call's dispatches: small uploads
     through ``queue.write_buffer`` (one packed write for the sections), large ones through
-    two staging buffers kept between calls, chunk by chunk, each filled with parallel copies
-    (fresh memory is slow to fault in, in VMs above all; a kept buffer is warm).
+    staging buffers kept between calls (two, in turn, for one in chunks), each filled with
+    parallel copies (fresh memory is slow to fault in, in VMs above all; a kept buffer is warm).
     """
 
     def __init__(self):
@@ -142,14 +134,15 @@ class Upload:
         self._write_bytes += aligned(array.nbytes)
         self.nbytes += array.nbytes
 
-    def encode(self, device, commands, pool: BufferPool, inputs, spin_seconds: float = 0.0, packing=None) -> None:
+    def encode(self, device, commands, pool: BufferPool, inputs, spin_seconds: float = 0.0, packing=None, chunk_bytes: int = 0) -> None:
         """Record every section into ``inputs`` and every write into its buffer, ahead of the
         dispatches the caller records next (``commands``: a recording.py recording;
         ``spin_seconds``: see mapping.mapped). ``packing(nbytes)`` may lend the uint8 host
         array the small sections are packed in (one kept between calls is warm in the CPU's
-        caches; without it a fresh one is allocated and zeroed)."""
+        caches; without it a fresh one is allocated and zeroed). Through staging, uploads
+        larger than ``chunk_bytes`` move in chunks (layout_chunks; 0: whole)."""
         if self.section_bytes + self._write_bytes > STAGING_BYTES:
-            self._through_staging(self._items(inputs), device, commands, pool, spin_seconds)
+            self._through_staging(self._items(inputs), device, commands, pool, spin_seconds, chunk_bytes)
         elif self._sections and self.section_bytes <= _PACK_BYTES:
             # The padding between sections is never read (a test lends an array of all-ones
             # bytes to prove it), so a lent array's may hold old bytes. Sections hold 4-byte
@@ -169,17 +162,17 @@ class Upload:
         return [(array, inputs, offset) for array, offset in self._sections] + self._writes
 
     @staticmethod
-    def _through_staging(items, device, commands, pool: BufferPool, spin_seconds: float) -> None:
+    def _through_staging(items, device, commands, pool: BufferPool, spin_seconds: float, chunk_bytes: int) -> None:
         """Every item through staging buffers filled with parallel copies, chunk by chunk:
         each chunk's copies are submitted once it is filled (the last one's go into
         ``commands``, ahead of the call's dispatches), so the GPU moves one chunk while the
         host fills the next; a buffer's next map waits for its last chunk's copies."""
         data = [array.reshape(-1).view(np.uint8) for array, _, _ in items]
-        chunks = layout_chunks([d.nbytes for d in data], TRANSFER_CHUNK_BYTES)
+        chunks = layout_chunks([d.nbytes for d in data], chunk_bytes)
         usage = wgpu.BufferUsage.MAP_WRITE | wgpu.BufferUsage.COPY_SRC
         for number, pieces in enumerate(chunks):
-            staging = _staging_buffer(pool, device, f"upload.{number % 2}", chunk_bytes(pieces), usage)
-            with mapped(device, staging, True, 0, chunk_bytes(pieces), spin_seconds) as memory:
+            staging = _staging_buffer(pool, device, f"upload.{number % 2}", used_bytes(pieces), usage)
+            with mapped(device, staging, True, 0, used_bytes(pieces), spin_seconds) as memory:
                 for piece in pieces:
                     host_threads.copy(memory[piece.offset : piece.offset + piece.nbytes], data[piece.item][piece.start : piece.end])
             last = number == len(chunks) - 1
@@ -205,17 +198,18 @@ def _write(commands, buffer, offset: int, array: np.ndarray) -> None:
 class Download:
     """GPU ranges copied into mapped read-back buffers, then straight into host arrays.
 
-    A transfer of one chunk (every decode step's) is one copy into one read-back buffer,
-    mapped once. A larger one alternates between two: the call's command buffer copies the
+    A transfer of one chunk (every decode step's and prompt's) is one copy into one read-back
+    buffer, mapped once. A larger one alternates between two: the call's command buffer copies the
     first chunk, the next chunk's copy is submitted before the first is read, and each read
     chunk's buffer takes the chunk after next, so the GPU copies while the host reads. The
     read-back buffers are kept between calls (fresh ones would fault their pages in on every
     large call), sized by the largest chunk so far."""
 
-    def __init__(self, pool: BufferPool, device, spin_seconds: float = 0.0):
+    def __init__(self, pool: BufferPool, device, spin_seconds: float = 0.0, chunk_bytes: int = 0):
         self._pool = pool
         self._device = device
         self._spin_seconds = spin_seconds  # see mapping.mapped
+        self._chunk_bytes = chunk_bytes  # see layout_chunks (0: one chunk)
         self._items: list[tuple[np.ndarray, BufferRange]] = []
         self._chunks: list[list[Piece]] = []
         self._buffers = [None, None]
@@ -226,7 +220,7 @@ class Download:
     def encode(self, commands) -> None:
         """Record the first chunk's copies into the call's command buffer."""
         if self._items:
-            self._chunks = layout_chunks([destination.nbytes for destination, _ in self._items], TRANSFER_CHUNK_BYTES)
+            self._chunks = layout_chunks([destination.nbytes for destination, _ in self._items], self._chunk_bytes)
             self._copy_chunk(commands, 0)
 
     def read(self) -> None:
@@ -234,7 +228,7 @@ class Download:
         if len(self._chunks) > 1:
             self._submit_chunk(1)
         for number, pieces in enumerate(self._chunks):
-            with mapped(self._device, self._buffers[number % 2], False, 0, chunk_bytes(pieces), self._spin_seconds) as memory:
+            with mapped(self._device, self._buffers[number % 2], False, 0, used_bytes(pieces), self._spin_seconds) as memory:
                 for piece in pieces:
                     destination = self._items[piece.item][0].reshape(-1).view(np.uint8)
                     host_threads.copy(destination[piece.start : piece.end], memory[piece.offset : piece.offset + piece.nbytes])
@@ -243,7 +237,7 @@ class Download:
 
     def _copy_chunk(self, commands, number: int) -> None:
         pieces = self._chunks[number]
-        buffer = self._buffers[number % 2] = self._pool.get(f"readback.{number % 2}", chunk_bytes(pieces),
+        buffer = self._buffers[number % 2] = self._pool.get(f"readback.{number % 2}", used_bytes(pieces),
                                                             wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
         # Pieces laid out in their source buffer as they are in the read-back buffer (the
         # sections of one results buffer) move in one copy.
@@ -304,7 +298,7 @@ def layout_chunks(sizes: list[int], chunk_bytes: int) -> list[list[Piece]]:
     return chunks
 
 
-def chunk_bytes(pieces: list[Piece]) -> int:
+def used_bytes(pieces: list[Piece]) -> int:
     """The buffer bytes a chunk's pieces take."""
     return pieces[-1].offset + aligned(pieces[-1].nbytes)
 

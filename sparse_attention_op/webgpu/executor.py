@@ -403,7 +403,7 @@ class WebGPUExecutor:
         # 3. One command buffer: the uploads, every dispatch, then the read-back copies.
         tick = time.perf_counter()
         timed = settings.profile and "timestamp-query" in self.context.features
-        download = Download(self._scratch, device, self.tuning.map_spin_seconds)
+        download = Download(self._scratch, device, self.tuning.map_spin_seconds, self.tuning.transfer_chunk_bytes)
         download.add(output, resources["output"])
         if new_key is not None:
             download.add(new_key, resources["new_key"])
@@ -412,7 +412,7 @@ class WebGPUExecutor:
         ticks = None
         commands = recording.begin(device, timed)
         try:
-            upload.encode(device, commands, self._scratch, inputs, self.tuning.map_spin_seconds, self._packing)
+            upload.encode(device, commands, self._scratch, inputs, self.tuning.map_spin_seconds, self._packing, self.tuning.transfer_chunk_bytes)
             if timed:
                 if settings.profile_whole_pass:
                     passes, labels = [launches], ["pass"]

@@ -37,6 +37,7 @@ project's 2-core machine (--quick and --lavapipe-check).
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 from ..spec import CallShape
@@ -307,6 +308,23 @@ class Tuning:
     #: (mapping._wait): a decode step's GPU work is shorter than the wake-up of a sleeping
     #: thread. CPU adapters: 0 (choose_tuning), a spinning thread takes a core from lavapipe.
     map_spin_seconds: float = 0.002
+    #: Uploads and read-backs larger than this move in chunks of it, through two buffers in
+    #: turn, each chunk's copy submitted as soon as it can run (buffers.layout_chunks; 0:
+    #: every transfer whole). 256 MiB: a prompt's transfers move whole (201 MB in, 167 MB out
+    #: at 8192 tokens of Phi-3-small), since smaller chunks measured slower, and larger ones
+    #: (a long history fetched at once) keep the two kept buffers per direction bounded.
+    #: (201 MB up through staging and 167 MB back, ms) H100 host, 2026-12-05, a probe of
+    #: what scripts/measure_platform.py --only transfers measures: whole 17.6; chunks of 64 MiB 18.2, 32 MiB 20.5,
+    #: 16 MiB 27.4, 8 MiB 41.2 (the host's copy there is the transfer, and each chunk adds a
+    #: map and a submit); prefill 8192 run minus GPU 25.5 whole against 24.6 / 28.2 / 36.9 in
+    #: chunks of 32 / 16 / 8 MiB. lavapipe (120 MB up, 100 MB back): 30.7 whole, 31.3 and 33.8
+    #: in chunks of 8 and 2 MiB with its waits (mapping._wait: a blocking poll waits for every
+    #: submission, the chunks after the one mapped too); 31.2 whole, 26.3 and 22.1 with waits
+    #: that spin (its driver copies on a core of its own), which would take a core from its
+    #: compute.
+    #: Capped at the binding limit (choose_tuning): the pool binds every buffer it makes.
+    #: SAO_TRANSFER_CHUNK_BYTES overrides, for measuring.
+    transfer_chunk_bytes: int = 256 << 20
 
     # -- shape-dependent choices -----------------------------------------------------------
     def attention_queries(self, shape: CallShape) -> int:
@@ -464,7 +482,9 @@ def choose_tuning(limits: dict, features: frozenset, adapter_type: str | None = 
         tuning = dataclasses.replace(tuning, map_spin_seconds=0.0, **CPU_DECODE_FIELDS)
     if cpu and "subgroup" in features:
         tuning = dataclasses.replace(tuning, **CPU_PREFILL_FIELDS)
-    return tuning
+    chunk = int(os.environ.get("SAO_TRANSFER_CHUNK_BYTES", tuning.transfer_chunk_bytes))
+    # A chunk's buffers come from a pool that refuses buffers beyond the binding limit.
+    return dataclasses.replace(tuning, transfer_chunk_bytes=min(chunk, binding_bytes) if chunk > 0 else 0)
 
 
 #: What CPU adapters with subgroups change for prompts (lavapipe, 2 cores;
