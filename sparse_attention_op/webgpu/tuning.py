@@ -281,6 +281,9 @@ class Tuning:
     #: Also tried then and not kept: the next tile's K/V loads issued before the current
     #: tile's arithmetic (a second register set): 0.041 / 0.039 ms at 8191 and 0.187 /
     #: 0.171 at 131000 against 0.025 / 0.024 and 0.137 / 0.102 (register pressure).
+    #: H100 (2026-12-05, clocks at 1980 MHz, decode at 8191, per dispatch ms, f32 / f16
+    #: cache): this default 0.027 / 0.023; 192 0.027 / 0.024; 128 0.031 / 0.026; 128 with 4
+    #: keys per lane group 0.036 / 0.029; 4 lanes per key 0.040 / 0.037.
     decode_target_workgroups: int = 256
     #: No split gets fewer keys than this (a split re-reads q and writes a partial).
     decode_min_keys_per_split: int = 64
@@ -314,9 +317,9 @@ class Tuning:
     #: at 8192 tokens of Phi-3-small), since smaller chunks measured slower, and larger ones
     #: (a long history fetched at once) keep the two kept buffers per direction bounded.
     #: (201 MB up through staging and 167 MB back, ms) H100 host, 2026-12-05, a probe of
-    #: what scripts/measure_platform.py --only transfers measures: whole 17.6; chunks of 64 MiB 18.2, 32 MiB 20.5,
-    #: 16 MiB 27.4, 8 MiB 41.2 (the host's copy there is the transfer, and each chunk adds a
-    #: map and a submit); prefill 8192 run minus GPU 25.5 whole against 24.6 / 28.2 / 36.9 in
+    #: what scripts/measure_platform.py --only transfers measures: whole 17.6; chunks of
+    #: 64 MiB 18.2, 32 MiB 20.5, 16 MiB 27.4, 8 MiB 41.2 (the host's copy there is the
+    #: transfer, and each chunk adds a map and a submit); prefill 8192 run minus GPU 25.5 whole against 24.6 / 28.2 / 36.9 in
     #: chunks of 32 / 16 / 8 MiB. lavapipe (120 MB up, 100 MB back): 30.7 whole, 31.3 and 33.8
     #: in chunks of 8 and 2 MiB with its waits (mapping._wait: a blocking poll waits for every
     #: submission, the chunks after the one mapped too); 31.2 whole, 26.3 and 22.1 with waits
