@@ -222,12 +222,16 @@ def run_case(kv_check: str, way: str, capacity: int, history: int, args, rng, cl
 
 def prefill_case(kv_check: str, length: int, args, rng, clock: SmClock) -> dict:
     """A prompt of ``length`` tokens with shared buffers: run minus GPU time (host overhead).
-    The runs are timed without timestamps; a session of its own, with them, gives the GPU time."""
+    The runs are timed without timestamps; a session of its own, with them, gives the GPU time.
+    Its runs give the difference within each run too ("same run"): the GPU's clock (the
+    host's transfers too) can sit at another state in the two sessions, and a lone prompt
+    often runs at the idle 345 MHz (H100 host, 2026-12-05: runs at 345 MHz against GPU times
+    at 600 MHz made 46.8 ms of 'host' time where prompts whose clocks agreed made 25-26)."""
     config = CaseConfig(seq_len=length, max_cache_len=length, **PHI3_SMALL)
     inputs = random_inputs(config, rng)
     model = sparse_attention_model(config.node_attributes(), inputs, constants=CONSTANTS)
     values = {n: ort.OrtValue.ortvalue_from_numpy(inputs[n]) for n in ("past_key", "past_value")}
-    runs, gpus, phases, clocks = [], [], [], {False: [], True: []}
+    runs, gpus, same_run, phases, clocks = [], [], [], [], {False: [], True: []}
     for profile in (False, True):
         session = sao.create_session(model, kv_check=kv_check, profile=profile)
         for _ in range(max(3, args.steps // 5)):
@@ -239,13 +243,15 @@ def prefill_case(kv_check: str, length: int, args, rng, clock: SmClock) -> dict:
             stats = node_stats(session)
             if profile:
                 gpus.append(stats.gpu_total or 0.0)
+                same_run.append(seconds - gpus[-1])
             else:
                 runs.append(seconds)
                 phases.append(stats.phases)
         del session
     run, gpu = statistics.median(runs[1:]), statistics.median(gpus[1:])
     phase = {k: round(statistics.median(p[k] for p in phases[1:]) * 1e3, 2) for k in phases[0]}
-    return dict(kv_check=kv_check, prompt=length, run_ms=run * 1e3, gpu_ms=gpu * 1e3, run_minus_gpu_ms=(run - gpu) * 1e3, op_phases_ms=phase,
+    return dict(kv_check=kv_check, prompt=length, run_ms=run * 1e3, gpu_ms=gpu * 1e3, run_minus_gpu_ms=(run - gpu) * 1e3,
+                run_minus_gpu_same_run_ms=statistics.median(same_run[1:]) * 1e3, op_phases_ms=phase,
                 sm_mhz_run=median_mhz(clocks[False][1:]), sm_mhz_gpu=median_mhz(clocks[True][1:]))
 
 
@@ -345,7 +351,8 @@ def main() -> int:
         prefills.append(prefill_case("fast", length, args, rng, clock))
         p = prefills[-1]
         print(f"\nprefill {p['prompt']}, shared buffers: run {p['run_ms']:.1f} ms, GPU {p['gpu_ms']:.1f} ms, "
-              f"run minus GPU {p['run_minus_gpu_ms']:.1f} ms; op phases (ms): {p['op_phases_ms']}; "
+              f"run minus GPU {p['run_minus_gpu_ms']:.1f} ms (in the timestamped runs themselves: {p['run_minus_gpu_same_run_ms']:.1f} ms); "
+              f"op phases (ms): {p['op_phases_ms']}; "
               f"SM MHz (run / GPU): {_mhz(p['sm_mhz_run'])} / {_mhz(p['sm_mhz_gpu'])}", flush=True)
     if args.soak:
         print("\n" + soak(args.soak, 1024 if args.quick else 8192, rng), flush=True)
