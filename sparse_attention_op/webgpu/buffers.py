@@ -15,16 +15,20 @@ Measured (docs/design.md section 3; ``scripts/measure_platform.py``):
   direction then serve a transfer of any size. Smaller chunks, so that the driver copies one
   while the host copies another, measured slower (tuning.py says where): a prompt's
   transfers move whole.
+
+Buffers are named and only grow (by half again, so a slowly growing need does not
+reallocate every call). The executor keeps one :class:`BufferPool` for the transient
+buffers every call uses (they are shared by all nodes: calls run one at a time) and one
+per node for what must survive between calls.
 """
 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import numpy as np
 import wgpu
-
-from typing import NamedTuple
 
 from .. import host_threads
 from . import recording
@@ -165,8 +169,8 @@ class Upload:
     def _through_staging(items, device, commands, pool: BufferPool, spin_seconds: float, chunk_bytes: int) -> None:
         """Every item through staging buffers filled with parallel copies, chunk by chunk:
         each chunk's copies are submitted once it is filled (the last one's go into
-        ``commands``, ahead of the call's dispatches), so the GPU moves one chunk while the
-        host fills the next; a buffer's next map waits for its last chunk's copies."""
+        ``commands``, ahead of the call's dispatches), so that the GPU can move one chunk while
+        the host fills the next; a buffer's next map waits for its last chunk's copies."""
         data = [array.reshape(-1).view(np.uint8) for array, _, _ in items]
         chunks = layout_chunks([d.nbytes for d in data], chunk_bytes)
         usage = wgpu.BufferUsage.MAP_WRITE | wgpu.BufferUsage.COPY_SRC
@@ -198,12 +202,12 @@ def _write(commands, buffer, offset: int, array: np.ndarray) -> None:
 class Download:
     """GPU ranges copied into mapped read-back buffers, then straight into host arrays.
 
-    A transfer of one chunk (every decode step's and prompt's) is one copy into one read-back
-    buffer, mapped once. A larger one alternates between two: the call's command buffer copies the
-    first chunk, the next chunk's copy is submitted before the first is read, and each read
-    chunk's buffer takes the chunk after next, so the GPU copies while the host reads. The
-    read-back buffers are kept between calls (fresh ones would fault their pages in on every
-    large call), sized by the largest chunk so far."""
+    A transfer of one chunk (every decode step's and prompt's) is one copy into one
+    read-back buffer, mapped once. A larger one alternates between two: the call's command
+    buffer copies the first chunk, the next chunk's copy is submitted before the first is
+    read, and each read chunk's buffer takes the chunk after next, so that the GPU can copy
+    while the host reads. The read-back buffers are kept between calls (fresh ones would
+    fault their pages in on every large call), sized by the largest chunk so far."""
 
     def __init__(self, pool: BufferPool, device, spin_seconds: float = 0.0, chunk_bytes: int = 0):
         self._pool = pool
