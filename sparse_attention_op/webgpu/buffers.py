@@ -175,21 +175,21 @@ class Upload:
         chunks = layout_chunks([d.nbytes for d in data], chunk_bytes)
         usage = wgpu.BufferUsage.MAP_WRITE | wgpu.BufferUsage.COPY_SRC
         for number, pieces in enumerate(chunks):
-            staging = _staging_buffer(pool, device, f"upload.{number % 2}", used_bytes(pieces), usage)
-            with mapped(device, staging, True, 0, used_bytes(pieces), spin_seconds) as memory:
+            nbytes = used_bytes(pieces)
+            staging = _staging_buffer(pool, device, f"upload.{number % 2}", nbytes, usage)
+            with mapped(device, staging, True, 0, nbytes, spin_seconds) as memory:
                 for piece in pieces:
                     host_threads.copy(memory[piece.offset : piece.offset + piece.nbytes], data[piece.item][piece.start : piece.end])
-            last = number == len(chunks) - 1
-            target = commands if last else recording.begin(device, False)
-            try:
+
+            def copy_chunk(target):  # called within this iteration
                 for piece in pieces:
                     _, destination, destination_offset = items[piece.item]
                     target.copy_buffer_to_buffer(staging, piece.offset, destination, destination_offset + piece.start, _words(piece.nbytes))
-                if not last:
-                    target.submit()
-            finally:
-                if not last:
-                    target.release()
+
+            if number == len(chunks) - 1:
+                copy_chunk(commands)
+            else:
+                _submit_now(device, copy_chunk)
 
 
 def _write(commands, buffer, offset: int, array: np.ndarray) -> None:
@@ -257,12 +257,7 @@ class Download:
             commands.copy_buffer_to_buffer(source_buffer, source_offset, buffer, offset, end - offset)
 
     def _submit_chunk(self, number: int) -> None:
-        commands = recording.begin(self._device, False)
-        try:
-            self._copy_chunk(commands, number)
-            commands.submit()
-        finally:
-            commands.release()
+        _submit_now(self._device, lambda commands: self._copy_chunk(commands, number))
 
 
 class Piece(NamedTuple):
@@ -305,6 +300,17 @@ def layout_chunks(sizes: list[int], chunk_bytes: int) -> list[list[Piece]]:
 def used_bytes(pieces: list[Piece]) -> int:
     """The buffer bytes a chunk's pieces take."""
     return pieces[-1].offset + aligned(pieces[-1].nbytes)
+
+
+def _submit_now(device, record) -> None:
+    """``record(commands)`` into a recording of its own, submitted at once (a chunk's copies,
+    ahead of the call's command buffer or after it)."""
+    commands = recording.begin(device, False)
+    try:
+        record(commands)
+        commands.submit()
+    finally:
+        commands.release()  # never raises: after a submit it has nothing left to free
 
 
 def _words(nbytes: int) -> int:
