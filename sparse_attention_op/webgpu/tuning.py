@@ -319,13 +319,13 @@ class Tuning:
     #: (201 MB up through staging and 167 MB back, ms) H100 host, 2026-12-05, a probe of
     #: what scripts/measure_platform.py --only transfers measures: whole 17.6; chunks of
     #: 64 MiB 18.2, 32 MiB 20.5, 16 MiB 27.4, 8 MiB 41.2 (the host's copy there is the
-    #: transfer, and each chunk adds a map and a submit); prefill 8192 run minus GPU 25.5 whole against 24.6 / 28.2 / 36.9 in
-    #: chunks of 32 / 16 / 8 MiB. lavapipe (120 MB up, 100 MB back): 30.7 whole, 31.3 and 33.8
-    #: in chunks of 8 and 2 MiB with its waits (mapping._wait: a blocking poll waits for every
-    #: submission, the chunks after the one mapped too); 31.2 whole, 26.3 and 22.1 with waits
-    #: that spin (its driver copies on a core of its own), which would take a core from its
-    #: compute.
-    #: Capped at the binding limit (choose_tuning): the pool binds every buffer it makes.
+    #: transfer, and each chunk adds a map and a submit); prefill 8192 run minus GPU 25.5
+    #: whole against 24.6 / 28.2 / 36.9 in chunks of 32 / 16 / 8 MiB. lavapipe (120 MB up,
+    #: 100 MB back): 30.7 whole, 31.3 and 33.8 in chunks of 8 and 2 MiB with its waits
+    #: (mapping._wait: a blocking poll waits for every submission, the chunks after the one
+    #: mapped too); 31.2 whole, 26.3 and 22.1 with waits that spin (its driver copies on a
+    #: core of its own), which would take a core from its compute. Capped at the binding
+    #: limit (choose_tuning): the pool refuses buffers beyond it.
     #: SAO_TRANSFER_CHUNK_BYTES overrides, for measuring.
     transfer_chunk_bytes: int = 256 << 20
 
