@@ -4,6 +4,7 @@
     python scripts/profile_step.py --kv-check fast --way shared --capacity 8192 --history 8152
     python scripts/profile_step.py --prefill 8192
     python scripts/profile_step.py --timeline            # no ORT profiler: spans around and inside the ops
+    python scripts/profile_step.py --gpu-passes --capacity 131072 --history 100   # the GPU's part, in the loop
 
 Runs decode steps of one SparseAttention node (Phi-3-small shape, batch 1, float32, as
 scripts/bench_decode.py does) with ORT's profiler on, then prints per node type the median
@@ -143,6 +144,36 @@ def timeline(kv_check: str, way: str, capacity: int, history: int, steps: int, r
         print(f"| {name} | {statistics.median(values):.0f} |")
 
 
+def gpu_passes(kv_check: str, way: str, capacity: int, history: int, steps: int, rng) -> None:
+    """A decode step's GPU time inside the decode loop, at the SM clock the loop runs at
+    (a loop of short steps leaves the GPU idle most of the time, so it may never clock up):
+    first every dispatch in a timed pass of its own, then the call's dispatches timed as
+    the one pass untimed steps record. The two say what each dispatch adds to the pass."""
+    from sparse_attention_op.benchmarking.clocks import sm_clock
+
+    clock = sm_clock()
+    model = model_for(capacity, rng)
+    print(f"\n### GPU passes: {kv_check}, {way}, capacity {capacity}, history {history} (medians of {steps} steps)\n")
+    print("| timed as | dispatch | GPU us | run us | SM MHz |\n|---|---|---|---|---|")
+    for profile in ("dispatches", "pass"):
+        session = sao.create_session(model, kv_check=kv_check, profile=profile)
+        driver = Decoder(session, capacity, history, way, rng)
+        for _ in range(WARMUP_STEPS):
+            driver.step()
+        per_label, runs, clocks = collections.defaultdict(list), [], []
+        for _ in range(steps):
+            runs.append(driver.step())
+            for label, seconds in node_stats(session).gpu_seconds.items():
+                per_label[label].append(seconds)
+            mhz = clock.read()
+            if mhz:
+                clocks.append(mhz)
+        mhz = f"{statistics.median(clocks):.0f}" if clocks else "-"
+        run = statistics.median(runs) * 1e6
+        for label, values in per_label.items():
+            print(f"| {profile} | {label} | {statistics.median(values) * 1e6:.1f} | {run:.0f} | {mhz} |")
+
+
 def main() -> int:
     import numpy as np
 
@@ -154,12 +185,16 @@ def main() -> int:
     parser.add_argument("--steps", type=positive, default=20)
     parser.add_argument("--prefill", type=non_negative, default=0, help="profile prompts of this length instead of decode steps")
     parser.add_argument("--timeline", action="store_true", help="decode steps without ORT's profiler: time around and inside the bridge's op")
+    parser.add_argument("--gpu-passes", action="store_true",
+                        help="decode steps' GPU time in the loop: each dispatch in a timed pass of its own, then the call's one pass")
     args = parser.parse_args()
     if not args.prefill and args.history + WARMUP_STEPS + args.steps > args.capacity:
         parser.error(f"--history {args.history}, {WARMUP_STEPS} warm-up steps and --steps {args.steps} must fit --capacity "
                      f"{args.capacity}: each step adds a row")
     print(f"# {' '.join(sys.argv)}, onnxruntime {ort.__version__}")
-    if args.timeline:
+    if args.gpu_passes:
+        gpu_passes(args.kv_check, args.way, args.capacity, args.history, args.steps, np.random.default_rng(0))
+    elif args.timeline:
         timeline(args.kv_check, args.way, args.capacity, args.history, args.steps, np.random.default_rng(0))
     else:
         profile(args.kv_check, args.way, args.capacity, args.history, args.steps, np.random.default_rng(0), args.prefill)

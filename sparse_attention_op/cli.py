@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         traceback_option(p)
         return p
 
-    p = command("info", commands.info, "versions, wgpu adapters, and the chosen adapter's features, limits and tuning")
+    p = command("info", commands.info, "versions, wgpu adapters, the chosen adapter's features, limits and tuning, and which pass runs a prompt and a decode step")
     p.add_argument("--json", metavar="OUT", help="write the report as JSON to OUT ('-': stdout)")
 
     p = command("inspect", commands.inspect, "SparseAttention nodes, their attributes and inputs, layout densities, what runs where, "

@@ -124,13 +124,18 @@ class SparseAttentionSession(ort.InferenceSession):
         return self._checked(super().run_with_iobinding, iobinding, run_options or _QUIET_RUN)
 
 
+#: create_session's ``profile``: off, one timed pass per dispatch (True or "dispatches"), or
+#: the call's dispatches timed as its one pass ("pass").
+PROFILE_CHOICES = (False, True, "dispatches", "pass")
+
+
 def create_session(
     model: ModelLike,
     sess_options: ort.SessionOptions | None = None,
     providers=None,
     *,
     kv_check: str = "exact",
-    profile: bool = False,
+    profile: bool | str = False,
     f16_cache: bool = True,
 ) -> SparseAttentionSession:
     """Load ``model`` (path, bytes or ModelProto) into an InferenceSession with WebGPU SparseAttention.
@@ -149,7 +154,11 @@ def create_session(
       neither history nor capacity. It cannot see a change confined to rows it did not
       probe, such as an edit to one row in the middle of a history.
 
-    ``profile=True`` times every dispatch with GPU timestamps (see :meth:`SparseAttentionSession.last_stats`).
+    ``profile=True`` (or ``"dispatches"``) times every dispatch with GPU timestamps, each in
+    a timed pass of its own; ``profile="pass"`` times a call's dispatches as the one pass an
+    untimed call records (``{"pass": seconds}``): each timed pass carries a few microseconds
+    of its own, which per-dispatch times count once per dispatch (see
+    :meth:`SparseAttentionSession.last_stats`).
     ``f16_cache`` keeps float16 models' GPU caches in f16 where the adapter allows (lossless).
     Model-level faults raise :class:`~sparse_attention_op.spec.SparseAttentionError` here;
     call-level faults raise it from ``run``, and the session keeps working afterwards.
@@ -157,6 +166,8 @@ def create_session(
     from .webgpu.executor import ExecutionSettings
 
     require_kv_check(kv_check)
+    if profile not in PROFILE_CHOICES:
+        raise ValueError(f"profile must be one of {PROFILE_CHOICES}, got {profile!r}")
     token = uuid.uuid4().hex
     prepared = prepare_model(model, session_token=token, kv_check=kv_check)
     register()
@@ -166,7 +177,7 @@ def create_session(
             session_options(sess_options),
             providers or ["CPUExecutionProvider"],
             token,
-            ExecutionSettings(profile=profile, f16_cache=f16_cache),
+            ExecutionSettings(profile=bool(profile), profile_whole_pass=profile == "pass", f16_cache=f16_cache),
             kv_check,
         )
     except Exception as error:

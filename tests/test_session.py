@@ -162,6 +162,31 @@ def test_create_session_runs_on_webgpu(executor, rng, tmp_path, source):
 
 
 @pytest.mark.gpu
+def test_profile_times_each_dispatch_or_the_calls_one_pass(executor, rng):
+    """profile=True / "dispatches": one GPU time per dispatch; "pass": the call's one pass."""
+    if "timestamp-query" not in executor.context.features:
+        pytest.skip("the adapter has no timestamp queries")
+    config = CaseConfig(seq_len=7)
+    model, inputs = model_and_inputs(config, rng)
+    for profile in (True, "dispatches", "pass"):
+        session = sao.create_session(model, profile=profile)
+        outputs = session.run(None, graph_feeds(session, inputs))
+        assert_matches_reference(outputs, inputs, config.node_attributes(), what=f"profile={profile!r}")
+        (stats,) = session.last_stats().values()
+        assert all(seconds > 0 for seconds in stats.gpu_seconds.values()), profile
+        if profile == "pass":
+            assert list(stats.gpu_seconds) == ["pass"]
+        else:
+            assert stats.gpu_seconds and "pass" not in stats.gpu_seconds
+
+
+def test_an_unknown_profile_choice_is_refused(rng):
+    model, _ = model_and_inputs(CaseConfig(seq_len=3), rng)
+    with pytest.raises(ValueError, match="profile must be one of"):
+        sao.create_session(model, profile="sometimes")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     "config",
     [
