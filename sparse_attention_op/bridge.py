@@ -239,7 +239,7 @@ def _drop_locals(error: BaseException) -> None:
 
 def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
     start = time.perf_counter()
-    tensors = [context.input(i) for i in range(len(INPUT_NAMES))]
+    tensors = context.inputs()
     shapes = tuple(None if tensors[i] is None else tensors[i].shape for i in _SHAPED_SLOTS)
     shape = _describe(kernel.attributes, shapes, tensors[_TOTAL], tensors[_KEY_TOTALS])
     past_key, past_value = tensors[_PAST_KEY], tensors[_PAST_VALUE]

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import itertools
 import threading
 from dataclasses import dataclass
@@ -245,6 +246,24 @@ class KernelContext:
         pointer, shape = located
         return view(pointer, shape, NUMPY_TYPES[self._declaration.inputs[index].element_type], writeable=False)
 
+    def inputs(self) -> list[np.ndarray | None]:
+        """Every declared input, each as :meth:`input` gives it, in one pass: a kernel that
+        reads them all (the bridge's, every decode step) makes one call, not one per input."""
+        count, api, s, context, constants = self.input_count(), self._api, self._scratch, self._context, self._constants
+        get_input, locate = api.KernelContext_GetInput, api.locate
+        found = []
+        for index, dtype in enumerate(self._declaration.input_dtypes):
+            tensor = constants.get(index)
+            if tensor is None and index < count:
+                status = get_input(context, index, s.value_address)
+                if status:
+                    _raise(api, status)
+                if s.value.value:
+                    pointer, shape = locate(s.value.value, index)
+                    tensor = view(pointer, shape, dtype, writeable=False)
+            found.append(tensor)
+        return found
+
     def input_pointer(self, index: int) -> tuple[int, tuple[int, ...]] | None:
         """Where input ``index`` lies and its shape, or None where the node leaves it out."""
         if index >= self.input_count():
@@ -295,6 +314,11 @@ class OpDeclaration:
     inputs: tuple[Slot, ...]
     outputs: tuple[Slot, ...]
     attributes: tuple[tuple[str, type], ...]
+
+    @functools.cached_property
+    def input_dtypes(self) -> tuple[np.dtype, ...]:
+        """The numpy type of each input (a decode step looks them all up)."""
+        return tuple(NUMPY_TYPES[slot.element_type] for slot in self.inputs)
 
 
 # -- the ABI -------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ per node for what must survive between calls.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -132,6 +133,15 @@ class Upload:
         self.nbytes += array.nbytes
         return offset
 
+    def sections(self, arrays: list[np.ndarray], layout: "StepLayout") -> None:
+        """Every section at once, where ``layout`` places them (``arrays`` in its order, each
+        of its size): a call's inputs without working out their offsets again."""
+        placed = self._sections
+        for array, (_, offset, _) in zip(arrays, layout.inputs):
+            placed.append((array, offset))
+            self.nbytes += array.nbytes
+        self.section_bytes = layout.input_bytes
+
     def write(self, array: np.ndarray, destination, offset: int) -> None:
         array = np.ascontiguousarray(array)
         self._writes.append((array, destination, offset))
@@ -199,6 +209,38 @@ def _write(commands, buffer, offset: int, array: np.ndarray) -> None:
     commands.write_buffer(buffer, offset, data)
 
 
+class StepLayout:
+    """Where a call's inputs lie in its one input buffer and its results in its one results
+    buffer (each at an aligned offset, in the order given): a function of their names and
+    sizes alone, so a decode loop works it out on its first step (:func:`step_layout`) and
+    every later step has it at hand. Compared by identity: one object per distinct layout."""
+
+    __slots__ = ("inputs", "input_bytes", "results", "result_bytes")
+
+    def __init__(self, inputs: tuple[tuple[str, int], ...], results: tuple[tuple[str, int], ...]):
+        #: (name, offset, nbytes) of each input; an input binding reaches the buffer's end.
+        self.inputs = _placed(inputs)
+        self.input_bytes = self.inputs[-1][1] + aligned(self.inputs[-1][2]) if self.inputs else 0
+        placed = _placed(results)
+        #: (name, offset, binding bytes) of each result: bindings reach the next result's offset.
+        self.results = tuple((name, offset, aligned(nbytes)) for name, offset, nbytes in placed)
+        self.result_bytes = placed[-1][1] + placed[-1][2] if placed else 0
+
+
+def _placed(items: tuple[tuple[str, int], ...]) -> tuple[tuple[str, int, int], ...]:
+    placed, offset = [], 0
+    for name, nbytes in items:
+        placed.append((name, offset, nbytes))
+        offset += aligned(nbytes)
+    return tuple(placed)
+
+
+@functools.lru_cache(maxsize=256)
+def step_layout(inputs: tuple[tuple[str, int], ...], results: tuple[tuple[str, int], ...]) -> StepLayout:
+    """The layout of inputs and results of these (name, nbytes), one object per distinct one."""
+    return StepLayout(inputs, results)
+
+
 class Download:
     """GPU ranges copied into mapped read-back buffers, then straight into host arrays.
 
@@ -215,7 +257,7 @@ class Download:
         self._spin_seconds = spin_seconds  # see mapping.mapped
         self._chunk_bytes = chunk_bytes  # see layout_chunks (0: one chunk)
         self._items: list[tuple[np.ndarray, BufferRange]] = []
-        self._chunks: list[list[Piece]] = []
+        self._chunks: tuple[tuple[Piece, ...], ...] = ()
         self._buffers = [None, None]
 
     def add(self, destination: np.ndarray, source: BufferRange) -> None:
@@ -274,10 +316,16 @@ class Piece(NamedTuple):
         return self.end - self.start
 
 
-def layout_chunks(sizes: list[int], chunk_bytes: int) -> list[list[Piece]]:
+def layout_chunks(sizes, chunk_bytes: int) -> tuple[tuple[Piece, ...], ...]:
     """Items of these byte sizes laid out, in order, in buffers ("chunks") of at most
     ``chunk_bytes`` each (0: one buffer for all), every piece at an aligned offset. An item
-    longer than its chunk's room is cut at aligned byte offsets and goes on in the next."""
+    longer than its chunk's room is cut at aligned byte offsets and goes on in the next.
+    Worked out once per distinct sizes (a decode step reads back the step before's)."""
+    return _layout_chunks(tuple(sizes), chunk_bytes)
+
+
+@functools.lru_cache(maxsize=256)
+def _layout_chunks(sizes: tuple[int, ...], chunk_bytes: int) -> tuple[tuple[Piece, ...], ...]:
     room = max(ALIGNMENT, aligned(chunk_bytes)) if chunk_bytes > 0 else None
     chunks, pieces, used = [], [], 0
     for item, size in enumerate(sizes):
@@ -294,10 +342,10 @@ def layout_chunks(sizes: list[int], chunk_bytes: int) -> list[list[Piece]]:
                 break
     if pieces:
         chunks.append(pieces)
-    return chunks
+    return tuple(tuple(chunk) for chunk in chunks)
 
 
-def used_bytes(pieces: list[Piece]) -> int:
+def used_bytes(pieces: tuple[Piece, ...]) -> int:
     """The buffer bytes a chunk's pieces take."""
     return pieces[-1].offset + aligned(pieces[-1].nbytes)
 

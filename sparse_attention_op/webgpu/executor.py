@@ -36,7 +36,7 @@ from ..block_plan import BlockPlan, BlockPlanCache
 from ..cache_record import model_itemsize, probe_rows
 from ..spec import CallShape, SparseAttentionCall, SparseAttentionError
 from . import kernels, recording
-from .buffers import STORAGE_IN, STORAGE_OUT, UNIFORM, BufferPool, Download, GpuBufferError, Upload, aligned
+from .buffers import STORAGE_IN, STORAGE_OUT, UNIFORM, BufferPool, Download, GpuBufferError, StepLayout, Upload, aligned, step_layout
 from .device import GpuContext, get_context
 from .kv_cache import ResidentCache
 from .process_wide import ProcessWide
@@ -353,62 +353,49 @@ class WebGPUExecutor:
                     record.valid[b] = 0  # a row starting afresh (a prompt)
         phases["sync"] = time.perf_counter() - tick
 
-        # 2. The call's inputs, as sections of one buffer.
+        # 2. The call's inputs, as sections of one buffer, and its results, as sections of
+        # another laid out as in the read-back buffer (one copy back). With probes, the GPU
+        # fast check's flags come last (kernels.probe_grid: one per workgroup).
         tick = time.perf_counter()
-        sections = {"query": upload.section(call.query), "row_past": upload.section(np.asarray(shape.past_lengths, np.uint32))}
+        names, arrays = ["query", "row_past"], [call.query, np.asarray(shape.past_lengths, np.uint32)]
         if not shape.packed_qkv:
-            sections["key_source"] = upload.section(call.key)
-            sections["value_source"] = upload.section(call.value)
+            names += ["key_source", "value_source"]
+            arrays += [call.key, call.value]
         if shape.attributes.do_rotary:
-            sections["cos_cache"] = upload.section(call.cos_rows)
-            sections["sin_cache"] = upload.section(call.sin_rows)
+            names += ["cos_cache", "sin_cache"]
+            arrays += [call.cos_rows, call.sin_rows]
+        probe_flags = None
         if probing:
             probes = probe_rows(shape.past_lengths, shape.attributes.kv_num_heads, shape.total_sequence_length)
-            probe_key, probe_value = _gather_probes(call, probes)
-            sections.update(probe_slots=upload.section(probes.astype(np.uint32)), probe_key=upload.section(probe_key),
-                            probe_value=upload.section(probe_value))
-        inputs = self._scratch.get("inputs", upload.section_bytes, STORAGE_IN)
-        resources = {name: BufferRange(inputs, offset) for name, offset in sections.items()}
-        if shape.packed_qkv:
-            resources["key_source"] = resources["value_source"] = resources["query"]
+            names += ["probe_slots", "probe_key", "probe_value"]
+            arrays += [probes.astype(np.uint32), *_gather_probes(call, probes)]
+            grid = kernels.probe_grid(shape, probes.shape[1])
+            probe_flags = self._host_array("probe_flags", (grid[0] * grid[1],), True, np.uint32)
+        arrays = [np.ascontiguousarray(array) for array in arrays]
+        if output is None:
+            output = self._host_array("output", shape.output_shape, reuse_host_arrays)
+        new_key = self._host_array("new_key", shape.new_rows_shape, reuse_host_arrays) if shape.attributes.do_rotary else None
+        results = [("output", output)] + ([] if new_key is None else [("new_key", new_key)]) + ([] if probe_flags is None else [("probe_flags", probe_flags)])
+        layout = step_layout(tuple(zip(names, (array.nbytes for array in arrays))), tuple((name, array.nbytes) for name, array in results))
+        upload.sections(arrays, layout)
+        inputs = self._scratch.get("inputs", layout.input_bytes, STORAGE_IN)
+        results_buffer = self._scratch.get("results", layout.result_bytes, STORAGE_OUT)
         plan_buffer = state.buffers.get("block_plan", plan.nbytes, STORAGE_IN)
         if state.uploaded_plan is not plan:
             upload.write(plan.words, plan_buffer, 0)
             state.uploaded_plan = plan
-        resources.update(block_plan=BufferRange(plan_buffer), key_cache=BufferRange(cache.key), value_cache=BufferRange(cache.value))
-        # The results share one buffer, laid out as in the read-back buffer: one copy back.
-        if output is None:
-            output = self._host_array("output", shape.output_shape, reuse_host_arrays)
-        new_key = self._host_array("new_key", shape.new_rows_shape, reuse_host_arrays) if shape.attributes.do_rotary else None
-        # With probes, the GPU fast check's flags come last (kernels.probe_grid: one per workgroup).
-        probe_flags = None
-        if probing:
-            grid = kernels.probe_grid(shape, probes.shape[1])
-            probe_flags = self._host_array("probe_flags", (grid[0] * grid[1],), True, np.uint32)
-        key_offset = aligned(output.nbytes)
-        flags_offset = key_offset + (0 if new_key is None else aligned(new_key.nbytes))
-        results = self._scratch.get("results", flags_offset + (0 if probe_flags is None else probe_flags.nbytes), STORAGE_OUT)
-        resources["output"] = BufferRange(results, 0, key_offset)
-        if new_key is not None:
-            resources["new_key"] = BufferRange(results, key_offset, aligned(new_key.nbytes))
-        if probe_flags is not None:
-            resources["probe_flags"] = BufferRange(results, flags_offset, aligned(probe_flags.nbytes))
-        for name, nbytes in dispatch.scratch_bytes.items():
-            resources[name] = BufferRange(self._scratch.get(name, nbytes, wgpu.BufferUsage.STORAGE))
-
+        scratch = tuple(self._scratch.get(name, nbytes, wgpu.BufferUsage.STORAGE) for name, nbytes in dispatch.scratch_bytes.items())
         cache_format = kernels.CacheFormat(rows=cache.rows, f16=np.dtype(dtype) == np.float16, round_keys_to_f16=call.float16_storage)
-        launches = self._launches(state, shape, dispatch.key, cache_format, resources, probe_slots=probes.shape[1] if probing else 0)
+        launches = self._launches(state, shape, dispatch, cache_format, layout, (inputs, results_buffer, plan_buffer, cache.key, cache.value) + scratch,
+                                  probe_slots=probes.shape[1] if probing else 0)
         phases["prepare"] = time.perf_counter() - tick
 
         # 3. One command buffer: the uploads, every dispatch, then the read-back copies.
         tick = time.perf_counter()
         timed = settings.profile and "timestamp-query" in self.context.features
         download = Download(self._scratch, device, self.tuning.map_spin_seconds, self.tuning.transfer_chunk_bytes)
-        download.add(output, resources["output"])
-        if new_key is not None:
-            download.add(new_key, resources["new_key"])
-        if probe_flags is not None:
-            download.add(probe_flags, resources["probe_flags"])
+        for (_, array), (_, offset, nbytes) in zip(results, layout.results):
+            download.add(array, BufferRange(results_buffer, offset, nbytes))
         ticks = None
         commands = recording.begin(device, timed)
         try:
@@ -468,14 +455,23 @@ class WebGPUExecutor:
             stats.gpu_seconds = {label: float(s) for label, s in zip(labels, seconds)}
         return CallResult(output, new_key, stats)
 
-    def _launches(self, state: NodeState, shape: CallShape, dispatch_key: tuple, cache_format, resources: dict, probe_slots: int = 0) -> list[Launch]:
-        """The call's launches: the node's last ones when nothing they depend on changed.
-        With ``probe_slots`` the GPU's fast check (kernels.probe_compare) comes first."""
-        # Resources are added in an order fixed by the call's path, so the same path gives
-        # the same key without sorting (a path that adds them otherwise only misses the cache).
-        key = (dispatch_key, cache_format, probe_slots, tuple(resources.items()))
+    def _launches(self, state: NodeState, shape: CallShape, dispatch: DispatchFacts, cache_format, layout: StepLayout, buffers: tuple,
+                  probe_slots: int = 0) -> list[Launch]:
+        """The call's launches: the node's last ones when nothing they depend on changed (the
+        dispatch key, the cache's format, the layout and the buffers: ``inputs``, ``results``,
+        ``block_plan``, the cache's two, then the dispatch's scratch buffers in the order of
+        ``dispatch.scratch_bytes``). With ``probe_slots`` the GPU's fast check
+        (kernels.probe_compare) comes first."""
+        key = (dispatch.key, cache_format, probe_slots, layout, buffers)
         if state.launch_plan is not None and state.launch_plan.key == key:
             return state.launch_plan.launches
+        inputs, results, plan_buffer, key_cache, value_cache = buffers[:5]
+        resources = {name: BufferRange(inputs, offset) for name, offset, _ in layout.inputs}
+        if shape.packed_qkv:
+            resources["key_source"] = resources["value_source"] = resources["query"]
+        resources.update(block_plan=BufferRange(plan_buffer), key_cache=BufferRange(key_cache), value_cache=BufferRange(value_cache))
+        resources.update((name, BufferRange(results, offset, nbytes)) for name, offset, nbytes in layout.results)
+        resources.update((name, BufferRange(buffer)) for name, buffer in zip(dispatch.scratch_bytes, buffers[5:]))
         dispatches = kernels.call_dispatches(shape, self.tuning, cache_format, resources)
         if probe_slots:
             dispatches = [kernels.probe_compare(shape, cache_format, resources, probe_slots)] + dispatches
@@ -489,12 +485,12 @@ class WebGPUExecutor:
         uniforms = state.buffers.get("uniforms", packed.nbytes, UNIFORM)
         self.context.device.queue.write_buffer(uniforms, 0, packed)
         launches = []
-        for index, dispatch in enumerate(dispatches):
-            compiled = self.pipelines.get(dispatch.program)
-            ranges = (BufferRange(uniforms, index * slot, slot),) + dispatch.bound()
+        for index, planned in enumerate(dispatches):
+            compiled = self.pipelines.get(planned.program)
+            ranges = (BufferRange(uniforms, index * slot, slot),) + planned.bound()
             entries = [{"binding": i, "resource": {"buffer": r.buffer, "offset": r.offset, "size": r.nbytes}} for i, r in enumerate(ranges)]
             group = self.context.device.create_bind_group(layout=compiled.bind_group_layout, entries=entries)
-            launches.append(Launch(dispatch.label, compiled.pipeline, group, dispatch.workgroups))
+            launches.append(Launch(planned.label, compiled.pipeline, group, planned.workgroups))
         state.launch_plan = LaunchPlan(key, launches)
         return launches
 
