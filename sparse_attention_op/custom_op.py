@@ -244,23 +244,18 @@ class KernelContext:
         if located is None:
             return None
         pointer, shape = located
-        return view(pointer, shape, NUMPY_TYPES[self._declaration.inputs[index].element_type], writeable=False)
+        return view(pointer, shape, self._declaration.input_dtypes[index], writeable=False)
 
     def inputs(self) -> list[np.ndarray | None]:
         """Every declared input, each as :meth:`input` gives it, in one pass: a kernel that
         reads them all (the bridge's, every decode step) makes one call, not one per input."""
-        count, api, s, context, constants = self.input_count(), self._api, self._scratch, self._context, self._constants
-        get_input, locate = api.KernelContext_GetInput, api.locate
-        found = []
+        found, constants = [], self._constants
         for index, dtype in enumerate(self._declaration.input_dtypes):
             tensor = constants.get(index)
-            if tensor is None and index < count:
-                status = get_input(context, index, s.value_address)
-                if status:
-                    _raise(api, status)
-                if s.value.value:
-                    pointer, shape = locate(s.value.value, index)
-                    tensor = view(pointer, shape, dtype, writeable=False)
+            if tensor is None:
+                located = self.input_pointer(index)
+                if located is not None:
+                    tensor = view(*located, dtype, writeable=False)
             found.append(tensor)
         return found
 
@@ -485,7 +480,7 @@ def _constant_inputs(api: _Api, info: int, declaration: OpDeclaration) -> dict[i
         _check(api, api.KernelInfoGetConstantInput_tensor(info, index, ctypes.addressof(is_constant), ctypes.addressof(value)))
         if is_constant.value and value.value:
             pointer, shape = api.locate(value.value, index)
-            constants[index] = view(pointer, shape, NUMPY_TYPES[declaration.inputs[index].element_type], writeable=False)
+            constants[index] = view(pointer, shape, declaration.input_dtypes[index], writeable=False)
     return constants
 
 

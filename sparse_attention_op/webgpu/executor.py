@@ -27,7 +27,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import wgpu
@@ -112,6 +112,18 @@ class DispatchFacts:
     key: tuple
     limits_ok: bool  # the grids fit the adapter
     scratch_bytes: dict  # GPU-only buffers the dispatches need, by name
+
+
+class BoundBuffers(NamedTuple):
+    """The buffers a call's launches bind (a tuple: part of their cache key, compared by
+    identity, so a grown buffer is a new key)."""
+
+    inputs: object
+    results: object
+    block_plan: object
+    key_cache: object
+    value_cache: object
+    scratch: tuple  # the dispatch's scratch buffers, in the order of DispatchFacts.scratch_bytes
 
 
 @dataclass
@@ -386,8 +398,8 @@ class WebGPUExecutor:
             state.uploaded_plan = plan
         scratch = tuple(self._scratch.get(name, nbytes, wgpu.BufferUsage.STORAGE) for name, nbytes in dispatch.scratch_bytes.items())
         cache_format = kernels.CacheFormat(rows=cache.rows, f16=np.dtype(dtype) == np.float16, round_keys_to_f16=call.float16_storage)
-        launches = self._launches(state, shape, dispatch, cache_format, layout, (inputs, results_buffer, plan_buffer, cache.key, cache.value) + scratch,
-                                  probe_slots=probes.shape[1] if probing else 0)
+        buffers = BoundBuffers(inputs, results_buffer, plan_buffer, cache.key, cache.value, scratch)
+        launches = self._launches(state, shape, dispatch, cache_format, layout, buffers, probe_slots=probes.shape[1] if probing else 0)
         phases["prepare"] = time.perf_counter() - tick
 
         # 3. One command buffer: the uploads, every dispatch, then the read-back copies.
@@ -455,23 +467,21 @@ class WebGPUExecutor:
             stats.gpu_seconds = {label: float(s) for label, s in zip(labels, seconds)}
         return CallResult(output, new_key, stats)
 
-    def _launches(self, state: NodeState, shape: CallShape, dispatch: DispatchFacts, cache_format, layout: StepLayout, buffers: tuple,
+    def _launches(self, state: NodeState, shape: CallShape, dispatch: DispatchFacts, cache_format, layout: StepLayout, buffers: BoundBuffers,
                   probe_slots: int = 0) -> list[Launch]:
         """The call's launches: the node's last ones when nothing they depend on changed (the
-        dispatch key, the cache's format, the layout and the buffers: ``inputs``, ``results``,
-        ``block_plan``, the cache's two, then the dispatch's scratch buffers in the order of
-        ``dispatch.scratch_bytes``). With ``probe_slots`` the GPU's fast check
-        (kernels.probe_compare) comes first."""
+        dispatch key, the cache's format, the layout and the buffers). With ``probe_slots``
+        the GPU's fast check (kernels.probe_compare) comes first."""
         key = (dispatch.key, cache_format, probe_slots, layout, buffers)
         if state.launch_plan is not None and state.launch_plan.key == key:
             return state.launch_plan.launches
-        inputs, results, plan_buffer, key_cache, value_cache = buffers[:5]
-        resources = {name: BufferRange(inputs, offset) for name, offset, _ in layout.inputs}
+        resources = {name: BufferRange(buffers.inputs, offset) for name, offset, _ in layout.inputs}
         if shape.packed_qkv:
             resources["key_source"] = resources["value_source"] = resources["query"]
-        resources.update(block_plan=BufferRange(plan_buffer), key_cache=BufferRange(key_cache), value_cache=BufferRange(value_cache))
-        resources.update((name, BufferRange(results, offset, nbytes)) for name, offset, nbytes in layout.results)
-        resources.update((name, BufferRange(buffer)) for name, buffer in zip(dispatch.scratch_bytes, buffers[5:]))
+        resources.update(block_plan=BufferRange(buffers.block_plan), key_cache=BufferRange(buffers.key_cache),
+                         value_cache=BufferRange(buffers.value_cache))
+        resources.update((name, BufferRange(buffers.results, offset, nbytes)) for name, offset, nbytes in layout.results)
+        resources.update((name, BufferRange(buffer)) for name, buffer in zip(dispatch.scratch_bytes, buffers.scratch))
         dispatches = kernels.call_dispatches(shape, self.tuning, cache_format, resources)
         if probe_slots:
             dispatches = [kernels.probe_compare(shape, cache_format, resources, probe_slots)] + dispatches
