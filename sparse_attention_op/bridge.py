@@ -39,7 +39,7 @@ import numpy as np
 from . import _ortx_compat, custom_op
 from .custom_op import FLOAT, FLOAT16, INT32, OpDeclaration, Slot
 from .presents import copy_past, write_rows
-from .spec import INPUT_NAMES, SHAPED_INPUTS, CallShape, OpAttributes, ShapeFacts, SparseAttentionError, assemble_call, describe_lengths, describe_shapes
+from .spec import INPUT_NAMES, SHAPED_INPUTS, CallShape, OpAttributes, ShapeFacts, SparseAttentionError, assemble_call, describe_lengths, describe_shapes, new_rows
 
 #: Domain of the bridge's op: onnxruntime-extensions' own, under which its library
 #: registers the ops added to it (custom_op.py).
@@ -198,12 +198,21 @@ def _executor():
     return _process_executor
 
 
-def _settings(kernel: NodeKernel):
-    settings = records.settings(kernel.token)
-    if settings is None:  # a plain InferenceSession over prepare_model's output: the defaults
-        from .webgpu.executor import ExecutionSettings
+_default_settings = None
 
-        settings = ExecutionSettings()
+
+def _settings(kernel: NodeKernel):
+    """The node's session's settings; the defaults for a plain InferenceSession over
+    prepare_model's output (ORT GenAI's), one object for all calls: a decode step is
+    replayed only under the settings object of the call it replays (webgpu/steady.py)."""
+    global _default_settings
+    settings = records.settings(kernel.token)
+    if settings is None:
+        if _default_settings is None:
+            from .webgpu.executor import ExecutionSettings
+
+            _default_settings = ExecutionSettings()
+        settings = _default_settings
     return settings
 
 
@@ -240,29 +249,15 @@ def _drop_locals(error: BaseException) -> None:
 def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
     start = time.perf_counter()
     tensors = context.inputs()
-    shapes = tuple(None if tensors[i] is None else tensors[i].shape for i in _SHAPED_SLOTS)
+    shapes = tuple([None if tensors[i] is None else tensors[i].shape for i in _SHAPED_SLOTS])  # (a list is cheaper to build than a generator)
     shape = _describe(kernel.attributes, shapes, tensors[_TOTAL], tensors[_KEY_TOTALS])
     past_key, past_value = tensors[_PAST_KEY], tensors[_PAST_VALUE]
-    history = 0 if shape.is_prompt else shape.max_cache_len  # the whole pasts as they lie: the executor reads what it needs
     rotary = shape.attributes.do_rotary
-    positions = shape.token_positions if rotary else None
     executor = _executor()
-    send_layout = not (kernel.constant_layout and executor.knows_layout(kernel.node_key))
+    known_layout = kernel.constant_layout and executor.knows_layout(kernel.node_key)
     as_f32 = _float32 if kernel.float16 else _as_is
-    call = assemble_call(
-        shape,
-        as_f32(tensors[_QUERY]),
-        None if shape.packed_qkv else as_f32(tensors[_KEY]),
-        None if shape.packed_qkv else as_f32(tensors[_VALUE]),
-        past_key[:, :, :history],
-        past_value[:, :, :history],
-        as_f32(tensors[_COS][positions]) if rotary else None,
-        as_f32(tensors[_SIN][positions]) if rotary else None,
-        tensors[_ROWS] if send_layout else None,
-        tensors[_COLS] if send_layout else None,
-        float16_storage=kernel.float16,
-        fast_check=kernel.kv_check == "fast" and not shape.is_prompt,
-    )
+    query = as_f32(tensors[_QUERY])
+    key, value = (None, None) if shape.packed_qkv else (as_f32(tensors[_KEY]), as_f32(tensors[_VALUE]))
     # Every output buffer before any GPU work: a bound output of the wrong shape is ORT's
     # error at this point, with nothing done. The output goes straight into ORT's buffer
     # where the types agree (no host copy of it at all).
@@ -280,12 +275,35 @@ def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
             if present is not None and not np.may_share_memory(present, past):
                 copy_past(present, past)
         if presents[1] is not None:
-            write_rows(presents[1], shape, call.new_rows("value"))
+            write_rows(presents[1], shape, new_rows(shape, query, key, value, "value"))
         if presents[0] is not None and not rotary:
-            write_rows(presents[0], shape, call.new_rows("key"))
+            write_rows(presents[0], shape, new_rows(shape, query, key, value, "key"))
 
     inputs_done = time.perf_counter()
-    result = executor.run(call, kernel.node_key, _settings(kernel), reuse_host_arrays=True, output=direct, while_gpu_runs=while_gpu_runs)
+    settings = _settings(kernel)
+    result = None
+    if kernel.kv_check == "fast" and known_layout and not shape.is_prompt:
+        # A decode step like the node's last one replays it (webgpu/steady.py); None: it cannot.
+        result = executor.replay(kernel.node_key, settings, shape, query, key, value, past_key, past_value,
+                                 tensors[_COS] if rotary else None, tensors[_SIN] if rotary else None,
+                                 output=direct, while_gpu_runs=while_gpu_runs)
+    if result is None:
+        # (Asked again: the replay's attempt frees what a closed session left, its layout too.)
+        known_layout = kernel.constant_layout and executor.knows_layout(kernel.node_key)
+        history = 0 if shape.is_prompt else shape.max_cache_len  # the whole pasts as they lie: the executor reads what it needs
+        positions = shape.token_positions if rotary else None
+        call = assemble_call(
+            shape, query, key, value,
+            past_key[:, :, :history],
+            past_value[:, :, :history],
+            as_f32(tensors[_COS][positions]) if rotary else None,
+            as_f32(tensors[_SIN][positions]) if rotary else None,
+            None if known_layout else tensors[_ROWS],
+            None if known_layout else tensors[_COLS],
+            float16_storage=kernel.float16,
+            fast_check=kernel.kv_check == "fast" and not shape.is_prompt,
+        )
+        result = executor.run(call, kernel.node_key, settings, reuse_host_arrays=True, output=direct, while_gpu_runs=while_gpu_runs)
     outputs_start = time.perf_counter()
     if output is not None and direct is None:
         output[...] = result.output

@@ -53,6 +53,7 @@ SPREAD_ROWS = 8
 #: Digesting more words than this at once is split over threads (numpy releases the GIL).
 _PARALLEL_WORDS = 1 << 19
 _GOLDEN = (math.sqrt(5) - 1) / 2
+_SPREAD_INDEX = np.arange(SPREAD_ROWS)
 #: Most decode steps append() keeps back: past a few dozen, one more row per flush saves nothing.
 _MAX_PENDING_ROWS = 64
 
@@ -149,29 +150,40 @@ def probe_rows(past_lengths: tuple[int, ...], kv_heads: int, total_sequence_leng
     spread evenly over the history from an offset that moves with the call (golden-ratio
     steps of the total length), the i-th in head (i + total) % kv_heads, so successive calls
     look at different places. Rows below 0 are clipped to 0; rows without history probe
-    (0, 0), which the check skips. Plain Python for the spread rows and a few numpy
-    operations on a fixed pattern: numpy's general functions (broadcast_to, stack) cost
-    microseconds each, a decode step's time.
+    (0, 0), which the check skips. Whole-array operations on a fixed pattern, a few per
+    call: a decode step asks for its probes every call.
     """
-    pattern = _last_rows_pattern(kv_heads)
-    phase = (total_sequence_length * _GOLDEN) % 1.0
-    spread_heads = [(i + total_sequence_length) % kv_heads for i in range(SPREAD_ROWS)]
-    probes = np.zeros((len(past_lengths), pattern.shape[0] + SPREAD_ROWS, 2), np.int64)
-    for b, past in enumerate(past_lengths):
-        if past == 0:
-            continue
-        last, spread = probes[b, : pattern.shape[0]], probes[b, pattern.shape[0] :]
-        last[...] = pattern
-        np.maximum(last[:, 1] + (past - LAST_ROWS), 0, out=last[:, 1])
-        spread[:, 0] = spread_heads
-        spread[:, 1] = [min(int((i + phase) * past / SPREAD_ROWS), past - 1) for i in range(SPREAD_ROWS)]
+    last_heads, last_offsets = _last_rows_pattern(kv_heads)
+    last = last_heads.shape[0]
+    past = np.array(past_lengths, np.int64)[:, None]
+    probes = np.empty((past.shape[0], last + SPREAD_ROWS, 2), np.int64)
+    probes[:, :last, 0] = last_heads
+    np.maximum(last_offsets + (past - LAST_ROWS), 0, out=probes[:, :last, 1])
+    probes[:, last:, 0] = (_SPREAD_INDEX + total_sequence_length) % kv_heads
+    # (i + phase) * past / SPREAD_ROWS in float64, truncated: as int() of the Python float would.
+    spread = (_SPREAD_INDEX + (total_sequence_length * _GOLDEN) % 1.0) * past / SPREAD_ROWS
+    np.minimum(spread.astype(np.int64), past - 1, out=probes[:, last:, 1])
+    probes[past[:, 0] == 0] = 0
     return probes
 
 
+def gather_probes(history: np.ndarray, probes: np.ndarray) -> np.ndarray:
+    """The rows of a past (batch, kv heads, rows, head) that ``probes`` (probe_rows) names:
+    (batch, probes, head) in the past's dtype, row [b, i] at probe i's (kv head, row) of batch
+    row b (every probe row lies below its batch row's past, so inside the history)."""
+    return history[_batch_index(probes.shape[0]), probes[..., 0], probes[..., 1]]
+
+
+@functools.lru_cache(maxsize=64)
+def _batch_index(batch: int) -> np.ndarray:
+    """(batch, 1): the batch row of every probe, broadcast over the probes."""
+    return np.arange(batch)[:, None]
+
+
 @functools.lru_cache(maxsize=16)
-def _last_rows_pattern(kv_heads: int) -> np.ndarray:
-    """(kv_heads * LAST_ROWS, 2): every kv head's offsets 0 .. LAST_ROWS - 1, head-major."""
-    return np.stack([np.repeat(np.arange(kv_heads), LAST_ROWS), np.tile(np.arange(LAST_ROWS), kv_heads)], axis=1)
+def _last_rows_pattern(kv_heads: int) -> tuple[np.ndarray, np.ndarray]:
+    """The kv head and row offset (0 .. LAST_ROWS - 1) of every last-row probe, head-major."""
+    return np.repeat(np.arange(kv_heads), LAST_ROWS), np.tile(np.arange(LAST_ROWS), kv_heads)
 
 
 @dataclass

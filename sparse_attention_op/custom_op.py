@@ -248,28 +248,32 @@ class KernelContext:
 
     def inputs(self) -> list[np.ndarray | None]:
         """Every declared input, each as :meth:`input` gives it, in one pass: a kernel that
-        reads them all (the bridge's, every decode step) makes one call, not one per input."""
-        found, constants = [], self._constants
+        reads them all (the bridge's, every decode step) makes one call, not one per input,
+        and finds the views it made before without another call."""
+        found, constants, count = [], self._constants, self.input_count()
         for index, dtype in enumerate(self._declaration.input_dtypes):
             tensor = constants.get(index)
-            if tensor is None:
-                located = self.input_pointer(index)
+            if tensor is None and index < count:
+                located = self._locate(index)
                 if located is not None:
-                    tensor = view(*located, dtype, writeable=False)
+                    tensor = _views.get((*located, dtype, False))  # view()'s own lookup, without its call
+                    if tensor is None:
+                        tensor = view(*located, dtype, writeable=False)
             found.append(tensor)
         return found
 
     def input_pointer(self, index: int) -> tuple[int, tuple[int, ...]] | None:
         """Where input ``index`` lies and its shape, or None where the node leaves it out."""
-        if index >= self.input_count():
-            return None
-        s, api = self._scratch, self._api
-        status = api.KernelContext_GetInput(self._context, index, s.value_address)
+        return self._locate(index) if index < self.input_count() else None
+
+    def _locate(self, index: int) -> tuple[int, tuple[int, ...]] | None:
+        """input_pointer for an index below the input count."""
+        api = self._api
+        status = api.KernelContext_GetInput(self._context, index, self._scratch.value_address)
         if status:
             _raise(api, status)
-        if not s.value.value:
-            return None
-        return api.locate(s.value.value, index)
+        value = self._scratch.value.value
+        return None if not value else api.locate(value, index)
 
     def output(self, index: int, shape: tuple[int, ...]) -> np.ndarray | None:
         """ORT's buffer for output ``index`` with ``shape`` (a bound output is that buffer,

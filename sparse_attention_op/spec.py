@@ -426,14 +426,19 @@ class SparseAttentionCall:
 
     def new_rows(self, which: str) -> np.ndarray:
         """This call's new key or value rows from the inputs (keys not rotated), as (batch, kv head, token, head)."""
-        shape, attrs = self.shape, self.shape.attributes
-        h = shape.head_size
-        if shape.packed_qkv:
-            start = (attrs.num_heads + (attrs.kv_num_heads if which == "value" else 0)) * h
-            source = self.query[:, :, start : start + attrs.kv_num_heads * h]
-        else:
-            source = self.key if which == "key" else self.value
-        return source.reshape(shape.batch_size, shape.seq_len, attrs.kv_num_heads, h).transpose(0, 2, 1, 3)
+        return new_rows(self.shape, self.query, self.key, self.value, which)
+
+
+def new_rows(shape: CallShape, query: np.ndarray, key: np.ndarray | None, value: np.ndarray | None, which: str) -> np.ndarray:
+    """A call's new key or value rows (``which``) from its query, key and value inputs (keys not
+    rotated), as (batch, kv head, token, head): a view, also of packed QKV's rows."""
+    attrs, h = shape.attributes, shape.head_size
+    if shape.packed_qkv:
+        start = (attrs.num_heads + (attrs.kv_num_heads if which == "value" else 0)) * h
+        source = query[:, :, start : start + attrs.kv_num_heads * h]
+    else:
+        source = key if which == "key" else value
+    return source.reshape(shape.batch_size, shape.seq_len, attrs.kv_num_heads, h).transpose(0, 2, 1, 3)
 
 
 def _readonly(array: np.ndarray | None) -> np.ndarray | None:

@@ -316,6 +316,86 @@ def test_the_gpu_fast_check_compares_bits(executor, rng):
     assert not stats.probes_differed and stats.history_rows_compared == 0
 
 
+@pytest.mark.parametrize("way", WAYS)
+def test_replayed_decode_steps_equal_the_general_call_bit_for_bit(executor, rng, monkeypatch, way):
+    """From the second decode step on, a fast check's steps replay the node's last call
+    (webgpu/steady.py). A second session of the same model, whose calls all go the general
+    way, gets the same inputs: outputs and presents agree to the bit."""
+    from sparse_attention_op.webgpu.executor import WebGPUExecutor
+
+    model = sparse_attention_model(CONFIG.node_attributes(), random_inputs(CONFIG, rng), constants=LAYOUT)
+    general = sao.create_session(model, kv_check="fast")
+    generation = Generation(sao.create_session(model, kv_check="fast"), rng, way)
+    for step in range(6):
+        feeds = {name: np.array(value, copy=True) for name, value in generation.feeds().items()}
+        with monkeypatch.context() as patch:
+            patch.setattr(WebGPUExecutor, "replay", lambda *arguments, **keywords: None)
+            expected = general.run(None, feeds)
+        assert not next(iter(general.last_stats().values())).replayed
+        stats = generation.step()
+        assert stats.replayed == (step >= 2), f"step {step}: the prompt and the first decode step go the general way"
+        for actual, wanted, name in zip([generation.output, *generation.past], expected, ("output", "present_key", "present_value")):
+            np.testing.assert_array_equal(actual, wanted, err_msg=f"step {step}: {name}")
+
+
+def test_a_plain_session_over_a_prepared_model_replays_too(executor, rng, monkeypatch):
+    """ORT GenAI runs prepared models in sessions of its own, whose nodes run under the
+    default settings: its decode steps replay as create_session's do (a spy on the
+    executor's replay counts the calls it served)."""
+    from sparse_attention_op.session import session_options
+    from sparse_attention_op.webgpu.executor import WebGPUExecutor
+
+    served, replay = [], WebGPUExecutor.replay
+
+    def spy(*arguments, **keywords):
+        result = replay(*arguments, **keywords)
+        served.append(result is not None)
+        return result
+
+    monkeypatch.setattr(WebGPUExecutor, "replay", spy)
+    model = sparse_attention_model(CONFIG.node_attributes(), random_inputs(CONFIG, rng), constants=LAYOUT)
+    session = ort.InferenceSession(sao.prepare_model(model, kv_check="fast").SerializeToString(), session_options(),
+                                   providers=["CPUExecutionProvider"])
+    generation = Generation(session, rng, "shared")
+    for _ in range(5):
+        inputs = {k: v.astype(np.float64) if v.dtype.kind == "f" else v for k, v in generation.inputs.items()}
+        generation.output = run_shared(session, generation.feeds(), generation.past)
+        assert_matches_reference([generation.output, *generation.past], inputs, generation.config.node_attributes(), "plain session step", 2e-3)
+        generation.lengths = generation.lengths + (generation.config.past_lengths is not None)
+        generation.next()
+    assert served == [False, True, True, True], "the first decode step goes the general way, the next ones replay it"
+
+
+def test_a_replay_gives_way_where_the_gpu_cache_grows(executor, rng):
+    """The GPU cache holds 256 rows first and grows by doubling: the decode step whose row
+    falls beyond them grows it the general way, and the steps after it replay again. (64
+    query heads: split-K's slice count is at its cap on every adapter, so the growth alone
+    stops the replay.)"""
+    config = CaseConfig(batch=1, seq_len=254, num_heads=64, kv_num_heads=2, head_size=16, max_cache_len=272,
+                        sparse_block_size=16, num_layout=1, do_rotary=True)
+    generation = Generation(new_session(rng, "fast", config), rng, "shared", config=config, prompt_lengths=(254,))
+    generation.step()
+    replayed = []
+    for _ in range(6):  # rows 254 .. 259: row 256 is the first beyond the first 256
+        past = int(generation.lengths[0])
+        replayed.append((past, generation.step().replayed))
+    assert replayed == [(254, False), (255, True), (256, False), (257, True), (258, True), (259, True)], replayed
+
+
+@pytest.mark.parametrize("moved", ["inputs", "results", "readback.0"])
+def test_a_replay_gives_way_when_the_shared_buffers_move(executor, rng, moved):
+    """The executor's shared buffers (the call's inputs, results and read-back) are replaced
+    when a call of any node needs them larger, which frees the old ones: the next step of a
+    replaying node goes the general way (on the new buffers), then replays again."""
+    generation = Generation(new_session(rng, "fast"), rng, "shared")
+    generation.step()
+    generation.step()
+    assert generation.step().replayed
+    executor._scratch.drop(moved)  # what growing it for another node's call does to the old one
+    assert not generation.step().replayed
+    assert generation.step().replayed
+
+
 @pytest.mark.parametrize("kv_check", MODES)
 def test_sequences_in_threads_and_handed_between_threads(executor, rng, kv_check):
     session = new_session(rng, kv_check)
@@ -350,17 +430,18 @@ def test_two_sessions_of_one_model_interleave(executor, rng, kv_check):
 def test_gpu_failure_raises_clearly_and_the_node_starts_afresh(executor, rng, monkeypatch, kv_check):
     import wgpu
 
-    from sparse_attention_op.webgpu import buffers
+    from sparse_attention_op.webgpu import recording
 
     generation = Generation(new_session(rng, kv_check), rng, "plain")
     generation.step()
-    generation.step()
+    generation.step()  # (a fast check's decode steps from here on are replayed: the loss hits a replay)
 
     def lost(*args, **kwargs):
         raise wgpu.GPUInternalError("simulated device loss")
 
     with monkeypatch.context() as patch:
-        patch.setattr(buffers.Download, "read", lost)
+        for kind in (recording.NativeRecording, recording.WgpuPyRecording):
+            patch.setattr(kind, "submit", lost)
         with pytest.raises(GpuExecutionError, match="simulated device loss"):
             generation.session.run(None, generation.feeds())
     # The failed node's GPU state was dropped: the next call re-uploads the history and is exact.

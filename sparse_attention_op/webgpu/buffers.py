@@ -41,7 +41,7 @@ from .programs import BufferRange
 ALIGNMENT = 256
 _MIN_BYTES = 16  # WebGPU refuses zero-sized bindings
 #: Uploads up to this size are packed into one write_buffer call.
-_PACK_BYTES = 1 << 18
+PACKED_UPLOAD_BYTES = 1 << 18
 #: Uploads above this size go through our own mapped staging buffer (measured on the H200
 #: host: fresh staging memory faults in at a few GB/s; SAO_STAGING_BYTES overrides, for
 #: measuring the two paths).
@@ -72,6 +72,9 @@ class BufferPool:
         self._buffers: dict[str, object] = {}
         #: Buffers of one call only, destroyed once its command buffer is submitted.
         self.temporaries: list = []
+        #: Counts the named buffers made or freed: what holds on to buffers of the pool
+        #: (a replayed decode step, steady.py) is still good while it has not moved.
+        self.generation = 0
 
     def get(self, name: str, nbytes: int, usage: int) -> object:
         nbytes = max(int(nbytes), _MIN_BYTES)
@@ -86,6 +89,7 @@ class BufferPool:
             buffer.destroy()
         buffer = self._device.create_buffer(size=grown, usage=usage, label=name)
         self._buffers[name] = buffer
+        self.generation += 1
         return buffer
 
     def release_temporaries(self) -> None:
@@ -96,6 +100,7 @@ class BufferPool:
         buffer = self._buffers.pop(name, None)
         if buffer is not None:
             buffer.destroy()
+            self.generation += 1
 
     def total_bytes(self) -> int:
         return sum(b.size for b in self._buffers.values())
@@ -104,6 +109,7 @@ class BufferPool:
         for buffer in self._buffers.values():
             buffer.destroy()
         self._buffers.clear()
+        self.generation += 1
 
 
 class Upload:
@@ -157,7 +163,7 @@ class Upload:
         larger than ``chunk_bytes`` move in chunks (layout_chunks; 0: whole)."""
         if self.section_bytes + self._write_bytes > STAGING_BYTES:
             self._through_staging(self._items(inputs), device, commands, pool, spin_seconds, chunk_bytes)
-        elif self._sections and self.section_bytes <= _PACK_BYTES:
+        elif self._sections and self.section_bytes <= PACKED_UPLOAD_BYTES:
             # The padding between sections is never read (a test lends an array of all-ones
             # bytes to prove it), so a lent array's may hold old bytes. Sections hold 4-byte
             # elements (spec.py), so no section ends inside a word of padding.
@@ -262,6 +268,10 @@ class Download:
 
     def add(self, destination: np.ndarray, source: BufferRange) -> None:
         self._items.append((destination, source))
+
+    def single_buffer(self):
+        """After :meth:`encode`: the read-back buffer of a transfer that moved in one chunk, else None."""
+        return self._buffers[0] if len(self._chunks) == 1 else None
 
     def encode(self, commands) -> None:
         """Record the first chunk's copies into the call's command buffer."""

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import math
 import threading
 import time
@@ -33,14 +32,15 @@ import numpy as np
 import wgpu
 
 from ..block_plan import BlockPlan, BlockPlanCache
-from ..cache_record import model_itemsize, probe_rows
+from ..cache_record import gather_probes, model_itemsize, probe_rows
 from ..spec import CallShape, SparseAttentionCall, SparseAttentionError
 from . import kernels, recording
-from .buffers import STORAGE_IN, STORAGE_OUT, UNIFORM, BufferPool, Download, GpuBufferError, StepLayout, Upload, aligned, step_layout
+from .buffers import PACKED_UPLOAD_BYTES, STORAGE_IN, STORAGE_OUT, UNIFORM, BufferPool, Download, GpuBufferError, StepLayout, Upload, aligned, step_layout
 from .device import GpuContext, get_context
 from .kv_cache import ResidentCache
 from .process_wide import ProcessWide
 from .programs import BufferRange, PipelineCache
+from .steady import SteadyDecode
 from .tuning import Tuning, choose_tuning
 
 
@@ -82,6 +82,8 @@ class CallStats:
     #: The GPU's fast check found a probed row that differs from the cache, so the call ran
     #: again after the exact check (these stats are the second run's).
     probes_differed: bool = False
+    #: The call ran as a replay of the node's last decode call (steady.py).
+    replayed: bool = False
 
     @property
     def gpu_total(self) -> float | None:
@@ -144,9 +146,10 @@ class NodeState:
     buffers: BufferPool
     uploaded_plan: BlockPlan | None = None  # the plan the block_plan buffer holds now
     launch_plan: LaunchPlan | None = None
+    steady: SteadyDecode | None = None  # the last fast-check decode call, to replay (steady.py)
 
     def release(self) -> None:
-        self.launch_plan = None
+        self.launch_plan = self.steady = None
         self.buffers.release()
         self.cache.release()
 
@@ -206,20 +209,41 @@ class WebGPUExecutor:
             self._drain_releases()
             state_key = (node_key, threading.get_ident())
             state = self._state(state_key, shape, dtype, call.float16_storage)
-            try:
+            with self._dropped_on_failure(state_key):
                 result = self._execute(call, state, plan, dtype, settings, dispatch, reuse_host_arrays, output, while_gpu_runs)
-            except wgpu.GPUError as error:
-                self._drop(state_key)
-                raise GpuExecutionError(f"SparseAttention failed on {self.context.description}: {error}") from error
-            except BaseException:
-                # A host-side fault mid-call: what the GPU holds for this node is unknown
-                # now, so the node starts afresh; the fault itself is reported as it is.
-                self._drop(state_key)
-                raise
-        if call.block_row_indices is not None:
-            self._layouts[node_key] = plan
+            if call.block_row_indices is not None:
+                self._layouts[node_key] = plan
         result.stats.seconds = time.perf_counter() - start
         return result
+
+    def replay(self, node_key: str, settings: ExecutionSettings, shape: CallShape, query: np.ndarray, key: np.ndarray | None,
+               value: np.ndarray | None, past_key: np.ndarray, past_value: np.ndarray, cos_table: np.ndarray | None,
+               sin_table: np.ndarray | None, *, output: np.ndarray | None = None,
+               while_gpu_runs: Callable[[], None] | None = None) -> CallResult | None:
+        """A fast-check decode call replayed from the node's last one (steady.py), or None
+        where no replay serves it: the caller then runs it (:meth:`run`, with the call its
+        inputs make). The inputs are the call's tensors as the operator has them (``shape``
+        validated them): the query, key and value rows, the whole pasts and rotary tables.
+        The result is the one :meth:`run` would give with ``reuse_host_arrays`` (same bits:
+        the same launches run on the same bytes); ``output`` and ``while_gpu_runs`` as there."""
+        start = time.perf_counter()
+        state_key = (node_key, threading.get_ident())
+        with self._lock:
+            self._drain_releases()
+            state = self._states.get(state_key)
+            steady = None if state is None else state.steady
+            if steady is None or not steady.serves(shape, settings, self._layouts.get(node_key), self._steady_validity(state), self.tuning,
+                                                   state.cache.record):
+                return None
+            phases = {"sync": time.perf_counter() - start}
+            with self._dropped_on_failure(state_key):
+                ran = steady.run(self.context.device, shape, query, key, value, past_key, past_value, cos_table, sin_table, output,
+                                 while_gpu_runs, state.cache.record, phases)
+        if ran is None:  # a probed row differed: the general call checks the history in full
+            return None
+        stats = CallStats(upload_bytes=steady.upload_bytes, phases=phases, replayed=True)
+        stats.seconds = time.perf_counter() - start
+        return CallResult(ran[0], ran[1], stats)
 
     def release_later(self, node_key_prefix: str) -> None:
         """Queue the GPU state of every node whose key starts with the prefix for freeing.
@@ -263,6 +287,17 @@ class WebGPUExecutor:
         state = self._states.pop(state_key, None)
         if state is not None:
             state.release()
+
+    def _dropped_on_failure(self, state_key) -> "_DroppedOnFailure":
+        """A call of a node's state: any failure drops the state (what the GPU holds for the
+        node is unknown then, so it starts afresh). The GPU's own failures are reported as
+        GpuExecutionError; a host-side fault is reported as it is."""
+        return _DroppedOnFailure(self, state_key)
+
+    def _steady_validity(self, state: NodeState) -> tuple:
+        """What a node's replay holds on to (SteadyDecode.validity): the buffer pools it binds
+        and reads back through, the cache's buffers, the launches and the uploaded layout."""
+        return (self._scratch.generation, state.buffers.generation, state.cache.key, state.launch_plan, state.uploaded_plan)
 
     def _cache_dtype(self, float16_storage: bool, settings: ExecutionSettings):
         f16 = settings.f16_cache and float16_storage and "shader-f16" in self.context.features
@@ -344,6 +379,7 @@ class WebGPUExecutor:
         tick = time.perf_counter()
         cache, record = state.cache, state.cache.record
         stats = CallStats()
+        state.steady = None  # a call the general way: what a replay held may move
 
         # 1. The resident cache: room for this call's rows, then what it lacks of the past.
         # A call with probes and lengths the cache holds checks its probes on the GPU first
@@ -462,6 +498,18 @@ class WebGPUExecutor:
 
         stats.upload_bytes = upload.nbytes
         stats.phases = phases
+        readback = download.single_buffer()
+        if (probing and shape.seq_len == 1 and not timed and reuse_host_arrays and min(shape.past_lengths) > 0
+                and layout.input_bytes <= PACKED_UPLOAD_BYTES and readback is not None):
+            # A fast-check decode step: the next ones replay it (steady.py).
+            state.steady = SteadyDecode(
+                facts=shape.facts, dispatch_key=dispatch.key, settings=settings, plan=plan, launch_plan=state.launch_plan,
+                validity=self._steady_validity(state), cache_rows=cache.rows, layout=layout, packed=self._packing(layout.input_bytes),
+                section_shapes={name: array.shape for name, array in zip(names, arrays)}, launches=launches, inputs=inputs,
+                results=results_buffer, readback=readback, spin_seconds=self.tuning.map_spin_seconds,
+                host_results={"output": self._host_array("output", shape.output_shape, True),
+                              **{name: array for name, array in results if name != "output"}},
+                upload_bytes=upload.nbytes)
         if ticks is not None:
             seconds = (ticks[1::2].astype(np.float64) - ticks[0::2]) * 1e-9  # WebGPU timestamps are ns
             stats.gpu_seconds = {label: float(s) for label, s in zip(labels, seconds)}
@@ -514,6 +562,27 @@ class WebGPUExecutor:
         return self._timestamps
 
 
+class _DroppedOnFailure:
+    """WebGPUExecutor._dropped_on_failure's context (a class: a generator-based one costs a
+    decode step several times the calls)."""
+
+    __slots__ = ("executor", "state_key")
+
+    def __init__(self, executor: WebGPUExecutor, state_key):
+        self.executor, self.state_key = executor, state_key
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if kind is None:
+            return False
+        self.executor._drop(self.state_key)
+        if issubclass(kind, wgpu.GPUError):
+            raise GpuExecutionError(f"SparseAttention failed on {self.executor.context.description}: {error}") from error
+        return False  # a host-side fault: reported as it is
+
+
 _executor = ProcessWide(WebGPUExecutor)
 
 
@@ -523,15 +592,5 @@ def get_executor() -> WebGPUExecutor:
 
 
 def _gather_probes(call: SparseAttentionCall, probes: np.ndarray) -> list[np.ndarray]:
-    """The GPU fast check's rows of the caller's past key and value: (batch, probes, head)
-    float32, row [b, i] at probe i's (kv head, row) of batch row b (cache_record.probe_rows:
-    every probe row lies below its batch row's past, so inside the history)."""
-    batch = _batch_index(probes.shape[0])
-    heads, rows = probes[..., 0], probes[..., 1]
-    return [history[batch, heads, rows].astype(np.float32, copy=False) for history in (call.history_key, call.history_value)]
-
-
-@functools.lru_cache(maxsize=64)
-def _batch_index(batch: int) -> np.ndarray:
-    """(batch, 1): the batch row of every probe, broadcast over the probes."""
-    return np.arange(batch)[:, None]
+    """The GPU fast check's rows of the caller's past key and value: (batch, probes, head) float32."""
+    return [gather_probes(history, probes).astype(np.float32, copy=False) for history in (call.history_key, call.history_value)]

@@ -174,6 +174,15 @@ def dispatch_key(shape: CallShape, tuning: Tuning) -> tuple:
     return (shape.facts, splits)
 
 
+def same_dispatch_key(key: tuple, shape: CallShape, tuning: Tuning) -> bool:
+    """Whether ``dispatch_key(shape, tuning) == key`` for a call whose shape facts are key's
+    (shape.facts is key[0]): then only the slice count can differ, and the route is the
+    one whose count key holds (split-K's is at least 1, every other route's 0). A decode
+    step asks this rather than the whole key (docs/design.md section 3: every call counts)."""
+    splits = key[1]
+    return splits == (tuning.decode_splits(shape) if splits else 0)
+
+
 def _tiled_rows(shape: CallShape, query_tile: int) -> int:
     """Query tiles a batch row can need: tiles are aligned to absolute positions, so a
     call of S tokens starting mid-tile touches up to ceil(S / TQ) + 1 of them."""

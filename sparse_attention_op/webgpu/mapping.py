@@ -21,6 +21,7 @@ have these internals (another wgpu version than pyproject allows), the public AP
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
 import numpy as np
@@ -56,6 +57,27 @@ def _on_map(status, _message, userdata, _userdata2):
 _callback = _ffi.callback("void(WGPUMapAsyncStatus, WGPUStringView, void *, void *)", _on_map) if _lib is not None else None
 
 
+class _Request(threading.local):
+    """A thread's map request: the status cell and the callback info pointing to it, made
+    once (each cffi allocation parses its type name: a decode step maps once) and made anew
+    only when a map leaves its cell to a callback that may still come."""
+
+    def __init__(self):
+        self.renew()
+
+    def renew(self) -> None:
+        self.cell = _ffi.new("int *", -1)
+        self.info = _ffi.new("WGPUBufferMapCallbackInfo *", {"mode": _lib.WGPUCallbackMode_AllowProcessEvents, "callback": _callback,
+                                                             "userdata1": self.cell})
+
+    def abandon(self) -> None:
+        _abandoned_cells.append(self.cell)
+        self.renew()
+
+
+_requests = _Request() if _lib is not None else None
+
+
 @contextlib.contextmanager
 def mapped(device, buffer, write: bool, offset: int, size: int, spin_seconds: float = 0.0):
     """Map ``size`` bytes of ``buffer`` at ``offset`` for reading or writing and yield them
@@ -69,9 +91,9 @@ def mapped(device, buffer, write: bool, offset: int, size: int, spin_seconds: fl
         finally:
             buffer.unmap()
         return
-    cell = _ffi.new("int *", -1)
-    info = _ffi.new("WGPUBufferMapCallbackInfo *", {"mode": _lib.WGPUCallbackMode_AllowProcessEvents, "callback": _callback,
-                                                    "userdata1": cell})
+    request = _requests
+    cell, info = request.cell, request.info
+    cell[0] = -1
     # One capture of wgpu-native's errors for the map's calls (native.ErrorCapture): a
     # refused map is reported at its request, and then waits for nothing.
     errors = ErrorCapture("sparse_attention_op.map")
@@ -83,14 +105,14 @@ def mapped(device, buffer, write: bool, offset: int, size: int, spin_seconds: fl
     except BaseException:
         # A refused map, or a poll that raised (an error reported during it, an interrupt):
         # the callback may still come, so its cell must outlive this call.
-        _abandoned_cells.append(cell)
+        request.abandon()
         _lib.wgpuBufferUnmap(buffer._internal)  # cancels a map still pending
         errors.discard()  # the exception on its way is the one to report
         raise
     status = cell[0]
     if status != _lib.WGPUMapAsyncStatus_Success:
         if status == -1:
-            _abandoned_cells.append(cell)
+            request.abandon()
         _lib.wgpuBufferUnmap(buffer._internal)  # cancels a map still pending, so the buffer stays usable
         raise MapError(f"mapping buffer '{buffer.label}' ({size} bytes at {offset}) failed: status {status}")
     try:

@@ -51,7 +51,6 @@ class NativeRecording:
 
     def __init__(self, device):
         self._queue = device.queue._internal
-        self._submitted = ffi.new("WGPUCommandBuffer[1]")
         self._errors = ErrorCapture("sparse_attention_op.recording")
         self._encoder = lib.wgpuDeviceCreateCommandEncoder(device._internal, _ENCODER)
 
@@ -82,8 +81,7 @@ class NativeRecording:
         if self._errors.reported():
             lib.wgpuCommandBufferRelease(commands)
             self._errors.close()  # raises it: an invalid command buffer must never be submitted
-        self._submitted[0] = commands
-        lib.wgpuQueueSubmit(self._queue, 1, self._submitted)
+        lib.wgpuQueueSubmit(self._queue, 1, [commands])  # (cffi passes a list as a temporary array)
         lib.wgpuCommandBufferRelease(commands)
         self._errors.close()  # raises what the recording or the submit reported
 
