@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -141,6 +141,9 @@ class NodeKernel:
     dtype: np.dtype  # the node's T
     kv_check: str
     constant_layout: bool  # the layout's two tensors are initializers (the executor keeps it once seen)
+    #: describe_shapes' verdicts by the inputs' shapes (_describe), the node's own: keyed by
+    #: the shapes alone, whose hash is C's, not the attributes' dataclass hash.
+    known_shapes: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property
     def token(self) -> str:
@@ -168,19 +171,16 @@ def _kernel_factory(dtype: np.dtype):
     return create
 
 
-#: describe_shapes' verdicts by (attributes, shapes): a decode step has the shapes of the
-#: step before it, so only the length rules run again.
-_known_shapes: dict[tuple, ShapeFacts] = {}
-
-
-def _describe(attributes: OpAttributes, shapes: tuple, total: np.ndarray, key_totals: np.ndarray) -> CallShape:
-    known_key = (attributes, shapes)
-    facts = _known_shapes.get(known_key)
+def _describe(kernel: NodeKernel, shapes: tuple, total: np.ndarray, key_totals: np.ndarray) -> CallShape:
+    """The call's shape: the shape rules once per distinct set of shapes of the node (a
+    decode step has the shapes of the step before it, so only the length rules run again;
+    and one ShapeFacts object per set, which the executor's replays test by identity)."""
+    facts = kernel.known_shapes.get(shapes)
     if facts is None:
-        facts = describe_shapes(attributes, dict(zip(SHAPED_INPUTS, shapes)))
-        if len(_known_shapes) > 256:
-            _known_shapes.clear()
-        _known_shapes[known_key] = facts
+        facts = describe_shapes(kernel.attributes, dict(zip(SHAPED_INPUTS, shapes)))
+        if len(kernel.known_shapes) > 64:
+            kernel.known_shapes.clear()
+        kernel.known_shapes[shapes] = facts
     return describe_lengths(facts, total, key_totals)
 
 
@@ -250,7 +250,7 @@ def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
     start = time.perf_counter()
     tensors = context.inputs()
     shapes = tuple([None if tensors[i] is None else tensors[i].shape for i in _SHAPED_SLOTS])  # (a list is cheaper to build than a generator)
-    shape = _describe(kernel.attributes, shapes, tensors[_TOTAL], tensors[_KEY_TOTALS])
+    shape = _describe(kernel, shapes, tensors[_TOTAL], tensors[_KEY_TOTALS])
     past_key, past_value = tensors[_PAST_KEY], tensors[_PAST_VALUE]
     rotary = shape.attributes.do_rotary
     executor = _executor()

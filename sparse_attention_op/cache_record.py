@@ -53,7 +53,6 @@ SPREAD_ROWS = 8
 #: Digesting more words than this at once is split over threads (numpy releases the GIL).
 _PARALLEL_WORDS = 1 << 19
 _GOLDEN = (math.sqrt(5) - 1) / 2
-_SPREAD_INDEX = np.arange(SPREAD_ROWS)
 #: Most decode steps append() keeps back: past a few dozen, one more row per flush saves nothing.
 _MAX_PENDING_ROWS = 64
 
@@ -150,20 +149,24 @@ def probe_rows(past_lengths: tuple[int, ...], kv_heads: int, total_sequence_leng
     spread evenly over the history from an offset that moves with the call (golden-ratio
     steps of the total length), the i-th in head (i + total) % kv_heads, so successive calls
     look at different places. Rows below 0 are clipped to 0; rows without history probe
-    (0, 0), which the check skips. Whole-array operations on a fixed pattern, a few per
-    call: a decode step asks for its probes every call.
+    (0, 0), which the check skips. A kept pattern and a few small operations per batch
+    row: numpy's whole-array operations cost about a microsecond each on arrays this small,
+    and a decode step asks for its probes every call.
     """
-    last_heads, last_offsets = _last_rows_pattern(kv_heads)
-    last = last_heads.shape[0]
-    past = np.array(past_lengths, np.int64)[:, None]
-    probes = np.empty((past.shape[0], last + SPREAD_ROWS, 2), np.int64)
-    probes[:, :last, 0] = last_heads
-    np.maximum(last_offsets + (past - LAST_ROWS), 0, out=probes[:, :last, 1])
-    probes[:, last:, 0] = (_SPREAD_INDEX + total_sequence_length) % kv_heads
-    # (i + phase) * past / SPREAD_ROWS in float64, truncated: as int() of the Python float would.
-    spread = (_SPREAD_INDEX + (total_sequence_length * _GOLDEN) % 1.0) * past / SPREAD_ROWS
-    np.minimum(spread.astype(np.int64), past - 1, out=probes[:, last:, 1])
-    probes[past[:, 0] == 0] = 0
+    pattern, spread_heads = _probe_pattern(len(past_lengths), kv_heads)
+    probes = pattern.copy()
+    phase = (total_sequence_length * _GOLDEN) % 1.0
+    last = kv_heads * LAST_ROWS
+    for b, past in enumerate(past_lengths):
+        if past == 0:
+            probes[b] = 0
+            continue
+        rows = probes[b, :last, 1]
+        rows += past
+        if past < LAST_ROWS:
+            np.maximum(rows, 0, out=rows)
+        probes[b, last:, 0] = spread_heads[total_sequence_length % kv_heads]
+        probes[b, last:, 1] = [min(int((i + phase) * past / SPREAD_ROWS), past - 1) for i in range(SPREAD_ROWS)]
     return probes
 
 
@@ -181,9 +184,15 @@ def _batch_index(batch: int) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=16)
-def _last_rows_pattern(kv_heads: int) -> tuple[np.ndarray, np.ndarray]:
-    """The kv head and row offset (0 .. LAST_ROWS - 1) of every last-row probe, head-major."""
-    return np.repeat(np.arange(kv_heads), LAST_ROWS), np.tile(np.arange(LAST_ROWS), kv_heads)
+def _probe_pattern(batch: int, kv_heads: int) -> tuple[np.ndarray, np.ndarray]:
+    """probe_rows' fixed part: (batch, probes, 2) with every last-row probe's kv head and its
+    row offset from the past (-LAST_ROWS .. -1), head-major, spread probes zero; and the
+    spread probes' heads for each total length modulo kv_heads."""
+    pattern = np.zeros((batch, kv_heads * LAST_ROWS + SPREAD_ROWS, 2), np.int64)
+    pattern[:, : kv_heads * LAST_ROWS, 0] = np.repeat(np.arange(kv_heads), LAST_ROWS)
+    pattern[:, : kv_heads * LAST_ROWS, 1] = np.tile(np.arange(LAST_ROWS) - LAST_ROWS, kv_heads)
+    spread_heads = (np.arange(SPREAD_ROWS)[None, :] + np.arange(kv_heads)[:, None]) % kv_heads
+    return pattern, spread_heads
 
 
 @dataclass

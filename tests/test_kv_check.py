@@ -331,9 +331,11 @@ def test_replayed_decode_steps_equal_the_general_call_bit_for_bit(executor, rng,
         with monkeypatch.context() as patch:
             patch.setattr(WebGPUExecutor, "replay", lambda *arguments, **keywords: None)
             expected = general.run(None, feeds)
-        assert not next(iter(general.last_stats().values())).replayed
+        general_stats = next(iter(general.last_stats().values()))
+        assert not general_stats.replayed
         stats = generation.step()
         assert stats.replayed == (step >= 2), f"step {step}: the prompt and the first decode step go the general way"
+        assert stats.upload_bytes == general_stats.upload_bytes, f"step {step}: the same bytes go to the GPU"
         for actual, wanted, name in zip([generation.output, *generation.past], expected, ("output", "present_key", "present_value")):
             np.testing.assert_array_equal(actual, wanted, err_msg=f"step {step}: {name}")
 

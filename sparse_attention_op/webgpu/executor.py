@@ -508,8 +508,7 @@ class WebGPUExecutor:
                 section_shapes={name: array.shape for name, array in zip(names, arrays)}, launches=launches, inputs=inputs,
                 results=results_buffer, readback=readback, spin_seconds=self.tuning.map_spin_seconds,
                 host_results={"output": self._host_array("output", shape.output_shape, True),
-                              **{name: array for name, array in results if name != "output"}},
-                upload_bytes=upload.nbytes)
+                              **{name: array for name, array in results if name != "output"}})
         if ticks is not None:
             seconds = (ticks[1::2].astype(np.float64) - ticks[0::2]) * 1e-9  # WebGPU timestamps are ns
             stats.gpu_seconds = {label: float(s) for label, s in zip(labels, seconds)}

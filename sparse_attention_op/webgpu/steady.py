@@ -41,14 +41,14 @@ class SteadyDecode:
 
     def __init__(self, *, facts: ShapeFacts, dispatch_key: tuple, settings, plan, launch_plan, validity: tuple, cache_rows: int,
                  layout: StepLayout, packed: np.ndarray, section_shapes: dict[str, tuple], launches: list,
-                 inputs, results, readback, spin_seconds: float, host_results: dict[str, np.ndarray], upload_bytes: int):
+                 inputs, results, readback, spin_seconds: float, host_results: dict[str, np.ndarray]):
         self.facts, self.dispatch_key, self.settings, self.plan, self.launch_plan = facts, dispatch_key, settings, plan, launch_plan
         #: What must not have moved since (BufferPool generations, the cache's buffers).
         self.validity = validity
         self.cache_rows = cache_rows  # the cache's rows then: a call that needs more grows it the general way
         self.launches, self.inputs, self.results, self.readback = launches, inputs, results, readback
         self.spin_seconds = spin_seconds
-        self.upload_bytes = upload_bytes
+        self.upload_bytes = sum(nbytes for _, _, nbytes in layout.inputs)  # (CallStats.upload_bytes)
         # The input buffer's bytes on the host, and a typed view of each section in them.
         self.packed = packed[: layout.input_bytes]
         views = {}
