@@ -39,7 +39,8 @@ import numpy as np
 from . import _ortx_compat, custom_op
 from .custom_op import FLOAT, FLOAT16, INT32, OpDeclaration, Slot
 from .presents import copy_past, write_rows
-from .spec import INPUT_NAMES, SHAPED_INPUTS, CallShape, OpAttributes, ShapeFacts, SparseAttentionError, assemble_call, describe_lengths, describe_shapes, new_rows
+from .spec import (INPUT_NAMES, SHAPED_INPUTS, CallShape, OpAttributes, SparseAttentionCall, SparseAttentionError, assemble_call, describe_lengths,
+                   describe_shapes, new_rows)
 
 #: Domain of the bridge's op: onnxruntime-extensions' own, under which its library
 #: registers the ops added to it (custom_op.py).
@@ -198,21 +199,16 @@ def _executor():
     return _process_executor
 
 
-_default_settings = None
-
-
 def _settings(kernel: NodeKernel):
-    """The node's session's settings; the defaults for a plain InferenceSession over
-    prepare_model's output (ORT GenAI's), one object for all calls: a decode step is
-    replayed only under the settings object of the call it replays (webgpu/steady.py)."""
-    global _default_settings
+    """The node's session's settings; for a plain InferenceSession over prepare_model's
+    output (ORT GenAI's), the executor's DEFAULT_SETTINGS: one object for all calls, since a
+    decode step is replayed only under the settings object of the call it replays
+    (webgpu/steady.py)."""
     settings = records.settings(kernel.token)
     if settings is None:
-        if _default_settings is None:
-            from .webgpu.executor import ExecutionSettings
+        from .webgpu.executor import DEFAULT_SETTINGS
 
-            _default_settings = ExecutionSettings()
-        settings = _default_settings
+        settings = DEFAULT_SETTINGS
     return settings
 
 
@@ -279,20 +275,11 @@ def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
         if presents[0] is not None and not rotary:
             write_rows(presents[0], shape, new_rows(shape, query, key, value, "key"))
 
-    inputs_done = time.perf_counter()
-    settings = _settings(kernel)
-    result = None
-    if kernel.kv_check == "fast" and known_layout and not shape.is_prompt:
-        # A decode step like the node's last one replays it (webgpu/steady.py); None: it cannot.
-        result = executor.replay(kernel.node_key, settings, shape, query, key, value, past_key, past_value,
-                                 tensors[_COS] if rotary else None, tensors[_SIN] if rotary else None,
-                                 output=direct, while_gpu_runs=while_gpu_runs)
-    if result is None:
-        # (Asked again: the replay's attempt frees what a closed session left, its layout too.)
-        known_layout = kernel.constant_layout and executor.knows_layout(kernel.node_key)
+    def make_call(known_layout: bool) -> SparseAttentionCall:
+        """The call as the executor's run() takes it: the tensors checked against the shape."""
         history = 0 if shape.is_prompt else shape.max_cache_len  # the whole pasts as they lie: the executor reads what it needs
         positions = shape.token_positions if rotary else None
-        call = assemble_call(
+        return assemble_call(
             shape, query, key, value,
             past_key[:, :, :history],
             past_value[:, :, :history],
@@ -303,7 +290,21 @@ def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
             float16_storage=kernel.float16,
             fast_check=kernel.kv_check == "fast" and not shape.is_prompt,
         )
-        result = executor.run(call, kernel.node_key, settings, reuse_host_arrays=True, output=direct, while_gpu_runs=while_gpu_runs)
+
+    inputs_done = time.perf_counter()
+    settings = _settings(kernel)
+    replayable = kernel.kv_check == "fast" and kernel.constant_layout
+    result = None
+    if replayable and known_layout and not shape.is_prompt:
+        # A decode step like the node's last one replays it (webgpu/steady.py); None: it cannot.
+        result = executor.replay(kernel.node_key, settings, shape, query, key, value, past_key, past_value,
+                                 tensors[_COS] if rotary else None, tensors[_SIN] if rotary else None, lambda: make_call(True),
+                                 output=direct, while_gpu_runs=while_gpu_runs)
+    if result is None:
+        # (Asked again: the replay's attempt frees what a closed session left, its layout too.)
+        known_layout = kernel.constant_layout and executor.knows_layout(kernel.node_key)
+        result = executor.run(make_call(known_layout), kernel.node_key, settings, reuse_host_arrays=True, output=direct,
+                              while_gpu_runs=while_gpu_runs, replayable=replayable)
     outputs_start = time.perf_counter()
     if output is not None and direct is None:
         output[...] = result.output

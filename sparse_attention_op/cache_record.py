@@ -180,7 +180,9 @@ def gather_probes(history: np.ndarray, probes: np.ndarray) -> np.ndarray:
 @functools.lru_cache(maxsize=64)
 def _batch_index(batch: int) -> np.ndarray:
     """(batch, 1): the batch row of every probe, broadcast over the probes."""
-    return np.arange(batch)[:, None]
+    index = np.arange(batch)[:, None]
+    index.flags.writeable = False  # shared by every call
+    return index
 
 
 @functools.lru_cache(maxsize=16)
@@ -192,6 +194,8 @@ def _probe_pattern(batch: int, kv_heads: int) -> tuple[np.ndarray, np.ndarray]:
     pattern[:, : kv_heads * LAST_ROWS, 0] = np.repeat(np.arange(kv_heads), LAST_ROWS)
     pattern[:, : kv_heads * LAST_ROWS, 1] = np.tile(np.arange(LAST_ROWS) - LAST_ROWS, kv_heads)
     spread_heads = (np.arange(SPREAD_ROWS)[None, :] + np.arange(kv_heads)[:, None]) % kv_heads
+    for kept in (pattern, spread_heads):  # shared by every call: read, never written
+        kept.flags.writeable = False
     return pattern, spread_heads
 
 

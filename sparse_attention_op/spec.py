@@ -303,7 +303,7 @@ def describe_lengths(facts: ShapeFacts, total_sequence_length: np.ndarray, key_t
     total_tensor = np.asarray(total_sequence_length)
     if total_tensor.size != 1 or total_tensor.ndim > 1:
         _fail("total_sequence_length", f"must be a scalar or shape [1], got shape {total_tensor.shape}")
-    total = int(total_tensor.reshape(-1)[0])
+    total = int(total_tensor.item())  # (item(): a Python number at once, no view or numpy scalar)
     if total < seq_len:
         _fail("total_sequence_length", f"must be >= the query's sequence length {seq_len}, got {total}")
     if total > facts.max_cache_len:
@@ -315,14 +315,14 @@ def describe_lengths(facts: ShapeFacts, total_sequence_length: np.ndarray, key_t
     key_totals_tensor = np.asarray(key_total_sequence_lengths)
     if key_totals_tensor.shape != (batch,):
         _fail("key_total_sequence_lengths", f"must have shape (batch,) = ({batch},), got {key_totals_tensor.shape}")
-    key_totals = tuple(int(v) for v in key_totals_tensor)
+    key_totals = tuple(key_totals_tensor.tolist())  # Python ints
     is_prompt = total == seq_len
     low = 1 if is_prompt else seq_len
     for b, value in enumerate(key_totals):
         if not low <= value <= total:
             mode = "a prompt" if is_prompt else "a call with history"
             _fail("key_total_sequence_lengths", f"entry {b} = {value} must lie in [{low}, {total}] for {mode} (sequence length {seq_len}, total {total})")
-    past_lengths = (0,) * batch if is_prompt else tuple(value - seq_len for value in key_totals)
+    past_lengths = (0,) * batch if is_prompt else tuple([value - seq_len for value in key_totals])
     if facts.attributes.do_rotary and facts.max_rotary_len < total:
         _fail("cos_cache", f"must hold at least total_sequence_length = {total} positions, got {facts.max_rotary_len}")
 

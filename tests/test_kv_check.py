@@ -340,6 +340,42 @@ def test_replayed_decode_steps_equal_the_general_call_bit_for_bit(executor, rng,
             np.testing.assert_array_equal(actual, wanted, err_msg=f"step {step}: {name}")
 
 
+def test_a_replayed_step_whose_probes_differ_runs_once_more_after_the_exact_check(executor, rng, monkeypatch):
+    """A replay whose probed row differs from the cache (here: an edit at the last history
+    row) is run again at once after the exact check, once, as the general call's fast check
+    does: the presents' rows and the past's copy are written once, and the record learns
+    the row once."""
+    from sparse_attention_op import presents
+    from sparse_attention_op.webgpu.executor import WebGPUExecutor
+
+    generation = Generation(new_session(rng, "fast"), rng, "plain")
+    generation.step()
+    generation.step()
+    assert generation.step().replayed
+    row = int(generation.lengths[1]) - 1
+    generation.past[0][1, 1, row, 3] += 1.0  # batch row 1, kv head 1: one of the probed last rows
+    generation.next()
+    executed, copies, execute, copy_past = [], [], WebGPUExecutor._execute, presents.copy_past
+
+    def spy_execute(self, call, *arguments, **keywords):
+        executed.append(call.fast_check)
+        return execute(self, call, *arguments, **keywords)
+
+    def spy_copy_past(*arguments):
+        copies.append(1)
+        return copy_past(*arguments)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(WebGPUExecutor, "_execute", spy_execute)
+        patch.setattr("sparse_attention_op.bridge.copy_past", spy_copy_past)
+        stats = generation.step()  # against the reference of the edited past
+    assert stats.probes_differed and not stats.replayed and 0 < stats.history_rows_uploaded
+    assert executed == [False], "after the replay, one call with the exact check"
+    assert len(copies) == 2, "each present gets the past's copy once"
+    assert not generation.step().replayed, "the exact call leaves no replay behind"
+    assert generation.step().replayed
+
+
 def test_a_plain_session_over_a_prepared_model_replays_too(executor, rng, monkeypatch):
     """ORT GenAI runs prepared models in sessions of its own, whose nodes run under the
     default settings: its decode steps replay as create_session's do (a spy on the

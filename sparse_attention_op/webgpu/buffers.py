@@ -41,7 +41,7 @@ from .programs import BufferRange
 ALIGNMENT = 256
 _MIN_BYTES = 16  # WebGPU refuses zero-sized bindings
 #: Uploads up to this size are packed into one write_buffer call.
-PACKED_UPLOAD_BYTES = 1 << 18
+_PACK_BYTES = 1 << 18
 #: Uploads above this size go through our own mapped staging buffer (measured on the H200
 #: host: fresh staging memory faults in at a few GB/s; SAO_STAGING_BYTES overrides, for
 #: measuring the two paths).
@@ -163,7 +163,7 @@ class Upload:
         larger than ``chunk_bytes`` move in chunks (layout_chunks; 0: whole)."""
         if self.section_bytes + self._write_bytes > STAGING_BYTES:
             self._through_staging(self._items(inputs), device, commands, pool, spin_seconds, chunk_bytes)
-        elif self._sections and self.section_bytes <= PACKED_UPLOAD_BYTES:
+        elif self._sections and self.section_bytes <= _PACK_BYTES:
             # The padding between sections is never read (a test lends an array of all-ones
             # bytes to prove it), so a lent array's may hold old bytes. Sections hold 4-byte
             # elements (spec.py), so no section ends inside a word of padding.

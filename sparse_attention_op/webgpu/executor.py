@@ -35,7 +35,7 @@ from ..block_plan import BlockPlan, BlockPlanCache
 from ..cache_record import gather_probes, model_itemsize, probe_rows
 from ..spec import CallShape, SparseAttentionCall, SparseAttentionError
 from . import kernels, recording
-from .buffers import PACKED_UPLOAD_BYTES, STORAGE_IN, STORAGE_OUT, UNIFORM, BufferPool, Download, GpuBufferError, StepLayout, Upload, aligned, step_layout
+from .buffers import STAGING_BYTES, STORAGE_IN, STORAGE_OUT, UNIFORM, BufferPool, Download, GpuBufferError, StepLayout, Upload, aligned, step_layout
 from .device import GpuContext, get_context
 from .kv_cache import ResidentCache
 from .process_wide import ProcessWide
@@ -62,6 +62,12 @@ class ExecutionSettings:
     #: Keep float16-storage nodes' caches as f16 on adapters with shader-f16 (measured
     #: faster, BENCHMARKS.md); lossless there, since every cached value is an f16 value.
     f16_cache: bool = True
+
+
+#: The settings of a call that names none, and of nodes in sessions create_session did not
+#: make (the bridge's): one object, since a replay serves only the settings object of the
+#: call it replays (steady.py).
+DEFAULT_SETTINGS = ExecutionSettings()
 
 
 @dataclass
@@ -180,9 +186,9 @@ class WebGPUExecutor:
     def knows_layout(self, node_key: str) -> bool:
         return node_key in self._layouts
 
-    def run(self, call: SparseAttentionCall, node_key: str = "default", settings: ExecutionSettings = ExecutionSettings(),
+    def run(self, call: SparseAttentionCall, node_key: str = "default", settings: ExecutionSettings = DEFAULT_SETTINGS,
             *, reuse_host_arrays: bool = False, output: np.ndarray | None = None,
-            while_gpu_runs: Callable[[], None] | None = None) -> CallResult:
+            while_gpu_runs: Callable[[], None] | None = None, replayable: bool = False) -> CallResult:
         """Execute one call: the output, and the rotated new key rows when rotary is on.
 
         Without history rows in the call, the node's cache on this thread must already hold
@@ -194,38 +200,49 @@ class WebGPUExecutor:
         output instead (the bridge passes ORT's own buffer for it: no host copy).
         ``while_gpu_runs`` is called once the call's work is submitted, before its results are
         waited for: host work that needs none of them overlaps the GPU's (the bridge writes
-        the presents' rows it already has there).
+        the presents' rows it already has there). ``replayable``: the caller will offer the
+        node's next decode calls to :meth:`replay`, so a fast-check decode call keeps what its
+        replay needs (steady.py; a caller that never replays should not pay for that).
         """
-        if output is not None and (output.shape != call.shape.output_shape or output.dtype != np.float32
-                                   or not output.flags.c_contiguous or not output.flags.writeable):
-            raise ValueError(f"output must be a writable C-contiguous float32 array of shape {call.shape.output_shape}")
+        _check_output(output, call.shape)
         start = time.perf_counter()
+        with self._lock:
+            result = self._run_locked(call, node_key, settings, reuse_host_arrays, output, while_gpu_runs, replayable)
+        result.stats.seconds = time.perf_counter() - start
+        return result
+
+    def _run_locked(self, call: SparseAttentionCall, node_key: str, settings: ExecutionSettings, reuse_host_arrays: bool,
+                    output: np.ndarray | None, while_gpu_runs: Callable[[], None] | None, replayable: bool) -> CallResult:
+        """run() under the executor's lock."""
         shape = call.shape
         plan = self._layout_plan(call, node_key)
         dtype = self._cache_dtype(call.float16_storage, settings)
         dispatch = self._dispatch_facts(shape)
         self._check_limits(shape, dtype, dispatch)
-        with self._lock:
-            self._drain_releases()
-            state_key = (node_key, threading.get_ident())
-            state = self._state(state_key, shape, dtype, call.float16_storage)
-            with self._dropped_on_failure(state_key):
-                result = self._execute(call, state, plan, dtype, settings, dispatch, reuse_host_arrays, output, while_gpu_runs)
-            if call.block_row_indices is not None:
-                self._layouts[node_key] = plan
-        result.stats.seconds = time.perf_counter() - start
+        self._drain_releases()
+        state_key = (node_key, threading.get_ident())
+        state = self._state(state_key, shape, dtype, call.float16_storage)
+        with self._dropped_on_failure(state_key):
+            result = self._execute(call, state, plan, dtype, settings, dispatch, reuse_host_arrays, output, while_gpu_runs, replayable)
+        if call.block_row_indices is not None:
+            self._layouts[node_key] = plan
         return result
 
     def replay(self, node_key: str, settings: ExecutionSettings, shape: CallShape, query: np.ndarray, key: np.ndarray | None,
                value: np.ndarray | None, past_key: np.ndarray, past_value: np.ndarray, cos_table: np.ndarray | None,
-               sin_table: np.ndarray | None, *, output: np.ndarray | None = None,
+               sin_table: np.ndarray | None, make_call: Callable[[], SparseAttentionCall], *, output: np.ndarray | None = None,
                while_gpu_runs: Callable[[], None] | None = None) -> CallResult | None:
         """A fast-check decode call replayed from the node's last one (steady.py), or None
-        where no replay serves it: the caller then runs it (:meth:`run`, with the call its
-        inputs make). The inputs are the call's tensors as the operator has them (``shape``
-        validated them): the query, key and value rows, the whole pasts and rotary tables.
-        The result is the one :meth:`run` would give with ``reuse_host_arrays`` (same bits:
-        the same launches run on the same bytes); ``output`` and ``while_gpu_runs`` as there."""
+        where no replay serves it (nothing done): the caller then runs it (:meth:`run` with
+        ``replayable``, which leaves a replay for the next call). The inputs are the call's
+        tensors as the operator has them (``shape`` validated them): the query, key and value
+        rows, the whole pasts and rotary tables. The result is the one :meth:`run` would give
+        with ``reuse_host_arrays`` (same bits: the same launches run on the same bytes);
+        ``output`` and ``while_gpu_runs`` as there. Where a probed row differs from the cache,
+        the call runs again at once after the exact check, as run()'s does: ``make_call()``
+        then gives the call (with its history: the caller's pasts), and its stats say
+        ``probes_differed``."""
+        _check_output(output, shape)
         start = time.perf_counter()
         state_key = (node_key, threading.get_ident())
         with self._lock:
@@ -239,8 +256,14 @@ class WebGPUExecutor:
             with self._dropped_on_failure(state_key):
                 ran = steady.run(self.context.device, shape, query, key, value, past_key, past_value, cos_table, sin_table, output,
                                  while_gpu_runs, state.cache.record, phases)
-        if ran is None:  # a probed row differed: the general call checks the history in full
-            return None
+            if ran is None:
+                # A probed row differed: this output used a stale cache. The call again, the
+                # history compared in full (what ran while the GPU did is done).
+                call = dataclasses.replace(make_call(), fast_check=False)
+                result = self._run_locked(call, node_key, settings, True, output, None, False)
+                result.stats.probes_differed = True
+                result.stats.seconds = time.perf_counter() - start
+                return result
         stats = CallStats(upload_bytes=steady.upload_bytes, phases=phases, replayed=True)
         stats.seconds = time.perf_counter() - start
         return CallResult(ran[0], ran[1], stats)
@@ -373,7 +396,7 @@ class WebGPUExecutor:
 
     def _execute(self, call: SparseAttentionCall, state: NodeState, plan: BlockPlan, dtype, settings: ExecutionSettings,
                  dispatch: DispatchFacts, reuse_host_arrays: bool = False, output: np.ndarray | None = None,
-                 while_gpu_runs: Callable[[], None] | None = None) -> CallResult:
+                 while_gpu_runs: Callable[[], None] | None = None, replayable: bool = False) -> CallResult:
         device, shape = self.context.device, call.shape
         phases = {}
         tick = time.perf_counter()
@@ -484,7 +507,7 @@ class WebGPUExecutor:
             # A probed row differs from the cache: this output used a stale cache. The call
             # again, the history compared in full (its own rows land in the cache again).
             again = self._execute(dataclasses.replace(call, fast_check=False), state, plan, dtype, settings, dispatch, reuse_host_arrays,
-                                  output)  # (what ran while the GPU did is done)
+                                  output, None, replayable)  # (what ran while the GPU did is done)
             again.stats.probes_differed = True
             return again
 
@@ -499,13 +522,15 @@ class WebGPUExecutor:
         stats.upload_bytes = upload.nbytes
         stats.phases = phases
         readback = download.single_buffer()
-        if (probing and shape.seq_len == 1 and not timed and reuse_host_arrays and min(shape.past_lengths) > 0
-                and layout.input_bytes <= PACKED_UPLOAD_BYTES and readback is not None):
-            # A fast-check decode step: the next ones replay it (steady.py).
+        if (replayable and probing and shape.seq_len == 1 and not timed and reuse_host_arrays and min(shape.past_lengths) > 0
+                and layout.input_bytes <= STAGING_BYTES and readback is not None):
+            # A fast-check decode step: the next ones replay it (steady.py). (Its inputs go
+            # up in one write of their packed bytes, whatever their size: within the bytes
+            # an upload moves without staging.)
             state.steady = SteadyDecode(
                 facts=shape.facts, dispatch_key=dispatch.key, settings=settings, plan=plan, launch_plan=state.launch_plan,
                 validity=self._steady_validity(state), cache_rows=cache.rows, layout=layout, packed=self._packing(layout.input_bytes),
-                section_shapes={name: array.shape for name, array in zip(names, arrays)}, launches=launches, inputs=inputs,
+                sections={name: (array.shape, array.dtype) for name, array in zip(names, arrays)}, launches=launches, inputs=inputs,
                 results=results_buffer, readback=readback, spin_seconds=self.tuning.map_spin_seconds,
                 host_results={"output": self._host_array("output", shape.output_shape, True),
                               **{name: array for name, array in results if name != "output"}})
@@ -559,6 +584,13 @@ class WebGPUExecutor:
             resolved = device.create_buffer(size=8 * max(count, 8), usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC)
             self._timestamps = (query_set, resolved)
         return self._timestamps
+
+
+def _check_output(output: np.ndarray | None, shape: CallShape) -> None:
+    """run()'s and replay()'s ``output``: None, or a writable C-contiguous float32 array of the output's shape."""
+    if output is not None and (output.shape != shape.output_shape or output.dtype != np.float32
+                               or not output.flags.c_contiguous or not output.flags.writeable):
+        raise ValueError(f"output must be a writable C-contiguous float32 array of shape {shape.output_shape}")
 
 
 class _DroppedOnFailure:

@@ -41,8 +41,8 @@ class MapError(wgpu.GPUError):
 
 
 #: Where a map's status lands: the callback writes it through the userdata pointer into an
-#: int the waiting call owns, so no table or lock sits on the path. Cells of maps that never
-#: resolved are kept here, as their callback may still come.
+#: int of the waiting thread's request (_Request), so no table or lock sits on the path.
+#: Cells of maps that never resolved are kept here, as their callback may still come.
 _abandoned_cells: list = []
 #: Off (``SAO_WGPU_MAPS=public``): wgpu-py's own maps, for measuring the two paths.
 NATIVE = enabled("SAO_WGPU_MAPS")

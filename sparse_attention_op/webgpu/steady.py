@@ -40,7 +40,7 @@ class SteadyDecode:
     is that call's."""
 
     def __init__(self, *, facts: ShapeFacts, dispatch_key: tuple, settings, plan, launch_plan, validity: tuple, cache_rows: int,
-                 layout: StepLayout, packed: np.ndarray, section_shapes: dict[str, tuple], launches: list,
+                 layout: StepLayout, packed: np.ndarray, sections: dict[str, tuple[tuple, np.dtype]], launches: list,
                  inputs, results, readback, spin_seconds: float, host_results: dict[str, np.ndarray]):
         self.facts, self.dispatch_key, self.settings, self.plan, self.launch_plan = facts, dispatch_key, settings, plan, launch_plan
         #: What must not have moved since (BufferPool generations, the cache's buffers).
@@ -53,19 +53,20 @@ class SteadyDecode:
         self.packed = packed[: layout.input_bytes]
         views = {}
         for name, offset, nbytes in layout.inputs:
-            dtype = np.uint32 if name in ("row_past", "probe_slots") else np.float32
-            views[name] = self.packed[offset : offset + nbytes].view(dtype).reshape(section_shapes[name])
+            shape, dtype = sections[name]  # as the general call's arrays were
+            views[name] = self.packed[offset : offset + nbytes].view(dtype).reshape(shape)
         self.query, self.row_past = views["query"], views["row_past"]
         self.key_source, self.value_source = views.get("key_source"), views.get("value_source")
         self.cos_rows, self.sin_rows = views.get("cos_cache"), views.get("sin_cache")
         self.probe_slots, self.probe_key, self.probe_value = views["probe_slots"], views["probe_key"], views["probe_value"]
         # The results as the read-back buffer holds them: (name, offset, bytes), one copy for all.
-        self.reads = tuple((name, offset, host_results[name].nbytes if name in host_results else nbytes)
-                           for name, offset, nbytes in layout.results)
-        last_name, last_offset, last_bytes = self.reads[-1]
+        self.reads = tuple((name, offset, host_results[name].nbytes) for name, offset, _ in layout.results)
+        _, last_offset, last_bytes = self.reads[-1]
         self.copy_bytes = last_offset + -(-last_bytes // 4) * 4  # copies move whole words
         self.map_bytes = layout.result_bytes
-        self.host_results = host_results  # the kept host arrays (output, when ORT's buffer is not used; new_key; probe_flags)
+        #: The kept host arrays of the results (the executor's, per thread): the output (used
+        #: where the caller passes no buffer of its own), new_key with rotary, probe_flags.
+        self.host_results = host_results
 
     def serves(self, shape: CallShape, settings, plan, validity: tuple, tuning, record) -> bool:
         """Whether this call can be replayed: the same shapes, settings, layout and dispatches,
@@ -77,8 +78,9 @@ class SteadyDecode:
     def run(self, device, shape: CallShape, query, key, value, past_key, past_value, cos_table, sin_table, output: np.ndarray | None,
             while_gpu_runs: Callable[[], None] | None, record, phases: dict) -> tuple[np.ndarray, np.ndarray | None] | None:
         """One call: the output and the rotated new key rows (None without rotary), or None if
-        a probed row differed from the cache (nothing recorded: the caller runs the call the
-        general way, which checks the history in full). ``phases`` receives the host times."""
+        a probed row differed from the cache: nothing is recorded then, ``while_gpu_runs`` has
+        run and ``output`` holds the stale call's output (the executor runs the call again
+        after the exact check). ``phases`` receives the host times."""
         tick = time.perf_counter()
         past = shape.past_lengths
         probes = probe_rows(past, shape.attributes.kv_num_heads, shape.total_sequence_length)
