@@ -528,7 +528,7 @@ class WebGPUExecutor:
             # up in one write of their packed bytes, whatever their size: within the bytes
             # an upload moves without staging.)
             state.steady = SteadyDecode(
-                facts=shape.facts, dispatch_key=dispatch.key, settings=settings, plan=plan, launch_plan=state.launch_plan,
+                facts=shape.facts, dispatch_key=dispatch.key, settings=settings, plan=plan,
                 validity=self._steady_validity(state), cache_rows=cache.rows, layout=layout, packed=self._packing(layout.input_bytes),
                 sections={name: (array.shape, array.dtype) for name, array in zip(names, arrays)}, launches=launches, inputs=inputs,
                 results=results_buffer, readback=readback, spin_seconds=self.tuning.map_spin_seconds,

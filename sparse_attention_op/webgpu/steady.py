@@ -39,11 +39,12 @@ class SteadyDecode:
     executor from a general call it has just run; every buffer, launch and host array here
     is that call's."""
 
-    def __init__(self, *, facts: ShapeFacts, dispatch_key: tuple, settings, plan, launch_plan, validity: tuple, cache_rows: int,
+    def __init__(self, *, facts: ShapeFacts, dispatch_key: tuple, settings, plan, validity: tuple, cache_rows: int,
                  layout: StepLayout, packed: np.ndarray, sections: dict[str, tuple[tuple, np.dtype]], launches: list,
                  inputs, results, readback, spin_seconds: float, host_results: dict[str, np.ndarray]):
-        self.facts, self.dispatch_key, self.settings, self.plan, self.launch_plan = facts, dispatch_key, settings, plan, launch_plan
-        #: What must not have moved since (BufferPool generations, the cache's buffers).
+        self.facts, self.dispatch_key, self.settings, self.plan = facts, dispatch_key, settings, plan
+        #: What must not have moved since (WebGPUExecutor._steady_validity: the buffer pools'
+        #: generations, the cache's buffers, the node's launches and uploaded layout).
         self.validity = validity
         self.cache_rows = cache_rows  # the cache's rows then: a call that needs more grows it the general way
         self.launches, self.inputs, self.results, self.readback = launches, inputs, results, readback
