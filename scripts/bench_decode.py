@@ -89,6 +89,7 @@ class Row:
     sm_mhz_run: float | None = None  # the GPU's SM clock after the timed steps (median; NVML)
     sm_mhz_gpu: float | None = None  # and after the timestamped session's steps
     phases_us: dict | None = None  # the op's phases (CallStats.phases), medians in microseconds
+    replayed_steps: int = 0  # timed steps that replayed the node's last call (CallStats.replayed; webgpu/steady.py)
 
     def cells(self) -> list[str]:
         def ms(value):
@@ -195,12 +196,13 @@ def run_case(kv_check: str, way: str, capacity: int, history: int, args, rng, cl
     decoder = Decoder(session, capacity, history, way, rng)
     for _ in range(WARMUP_STEPS):  # the first step brings the history to the GPU
         decoder.step()
-    runs, hosts, clocks, phases = [], [], [], []
+    runs, hosts, clocks, phases, replayed = [], [], [], [], 0
     for _ in range(args.steps):
         runs.append(decoder.step())
         clocks.append(clock.read())  # after the step's run: outside its timing
         stats = node_stats(session)
         phases.append(stats.phases)
+        replayed += stats.replayed
         # The op's host time: the bridge's reading and writing of tensors, the executor's call, less its wait.
         hosts.append(stats.seconds + stats.phases["inputs"] + stats.phases["outputs"] - stats.phases["wait_read"])
     executor = get_executor()
@@ -217,7 +219,7 @@ def run_case(kv_check: str, way: str, capacity: int, history: int, args, rng, cl
     del decoder
     return Row(kv_check, way, capacity, history, statistics.median(runs) * 1e3, statistics.median(hosts) * 1e3,
                statistics.median(gpus) * 1e3 if gpus else None, ort_ms, identity_ms, record_bytes / cache_bytes, median_mhz(clocks),
-               median_mhz(gpu_clocks), {name: round(statistics.median(p[name] for p in phases) * 1e6) for name in phases[0]})
+               median_mhz(gpu_clocks), {name: round(statistics.median(p[name] for p in phases) * 1e6) for name in phases[0]}, replayed)
 
 
 def prefill_case(kv_check: str, length: int, args, rng, clock: SmClock) -> dict:
@@ -343,7 +345,8 @@ def main() -> int:
             print("| " + " | ".join(row.cells()) + " |", flush=True)
         rounds.append(measured)
         print("\nthe op's phases per step (us, medians): " + "; ".join(
-            f"{row.kv_check}/{row.way}/{row.capacity}/{row.history}: " + ", ".join(f"{k} {v}" for k, v in row.phases_us.items()) for row in measured))
+            f"{row.kv_check}/{row.way}/{row.capacity}/{row.history} ({row.replayed_steps} of {args.steps} steps replayed): "
+            + ", ".join(f"{k} {v}" for k, v in row.phases_us.items()) for row in measured))
     if args.rounds > 1:
         print_round_medians(rounds)
     prefills = []

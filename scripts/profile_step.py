@@ -124,7 +124,7 @@ def timeline(kv_check: str, way: str, capacity: int, history: int, steps: int, r
         driver = Decoder(session, capacity, history, way, rng)
         for _ in range(WARMUP_STEPS):
             driver.step()
-        rows = collections.defaultdict(list)
+        rows, replayed = collections.defaultdict(list), 0
         for _ in range(steps):
             marks.clear()
             seconds = driver.step()  # run_with_iobinding (or run) alone
@@ -133,7 +133,9 @@ def timeline(kv_check: str, way: str, capacity: int, history: int, steps: int, r
             ((k0, k1),) = marks
             for name, ns in (("run", end - start), ("run to op", k0 - start), ("op", k1 - k0), ("op to end", end - k1)):
                 rows[name].append(ns / 1e3)
-            for name, seconds in node_stats(session).phases.items():
+            stats = node_stats(session)
+            replayed += stats.replayed
+            for name, seconds in stats.phases.items():
                 rows[f"op: {name}"].append(seconds * 1e6)
     finally:
         bridge._compute = body
@@ -142,6 +144,7 @@ def timeline(kv_check: str, way: str, capacity: int, history: int, steps: int, r
     print("| span | us |\n|---|---|")
     for name, values in rows.items():
         print(f"| {name} | {statistics.median(values):.0f} |")
+    print(f"\n{replayed} of {steps} steps replayed the node's last call (webgpu/steady.py)")
 
 
 def gpu_passes(kv_check: str, way: str, capacity: int, history: int, steps: int, rng) -> None:
