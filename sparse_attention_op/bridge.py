@@ -275,8 +275,11 @@ def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
         if presents[0] is not None and not rotary:
             write_rows(presents[0], shape, new_rows(shape, query, key, value, "key"))
 
-    def make_call(known_layout: bool) -> SparseAttentionCall:
-        """The call as the executor's run() takes it: the tensors checked against the shape."""
+    def make_call() -> SparseAttentionCall:
+        """The call as the executor's run() takes it: the tensors checked against the shape,
+        the layout's only where the executor does not hold it yet (asked here, when the call
+        is made: an attempt at a replay may have freed what a closed session left)."""
+        known_layout = kernel.constant_layout and executor.knows_layout(kernel.node_key)
         history = 0 if shape.is_prompt else shape.max_cache_len  # the whole pasts as they lie: the executor reads what it needs
         positions = shape.token_positions if rotary else None
         return assemble_call(
@@ -298,12 +301,10 @@ def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
     if replayable and known_layout and not shape.is_prompt:
         # A decode step like the node's last one replays it (webgpu/steady.py); None: it cannot.
         result = executor.replay(kernel.node_key, settings, shape, query, key, value, past_key, past_value,
-                                 tensors[_COS] if rotary else None, tensors[_SIN] if rotary else None, lambda: make_call(True),
+                                 tensors[_COS] if rotary else None, tensors[_SIN] if rotary else None, make_call,
                                  output=direct, while_gpu_runs=while_gpu_runs)
     if result is None:
-        # (Asked again: the replay's attempt frees what a closed session left, its layout too.)
-        known_layout = kernel.constant_layout and executor.knows_layout(kernel.node_key)
-        result = executor.run(make_call(known_layout), kernel.node_key, settings, reuse_host_arrays=True, output=direct,
+        result = executor.run(make_call(), kernel.node_key, settings, reuse_host_arrays=True, output=direct,
                               while_gpu_runs=while_gpu_runs, replayable=replayable)
     outputs_start = time.perf_counter()
     if output is not None and direct is None:

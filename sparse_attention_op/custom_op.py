@@ -248,17 +248,14 @@ class KernelContext:
 
     def inputs(self) -> list[np.ndarray | None]:
         """Every declared input, each as :meth:`input` gives it, in one pass: a kernel that
-        reads them all (the bridge's, every decode step) makes one call, not one per input,
-        and finds the views it made before without another call."""
+        reads them all (the bridge's, every decode step) makes one call, not one per input."""
         found, constants, count = [], self._constants, self.input_count()
         for index, dtype in enumerate(self._declaration.input_dtypes):
             tensor = constants.get(index)
             if tensor is None and index < count:
                 located = self._locate(index)
                 if located is not None:
-                    tensor = _views.get((*located, dtype, False))  # view()'s own lookup, without its call
-                    if tensor is None:
-                        tensor = view(*located, dtype, writeable=False)
+                    tensor = view(*located, dtype, writeable=False)
             found.append(tensor)
         return found
 

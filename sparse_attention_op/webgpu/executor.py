@@ -222,7 +222,7 @@ class WebGPUExecutor:
         self._drain_releases()
         state_key = (node_key, threading.get_ident())
         state = self._state(state_key, shape, dtype, call.float16_storage)
-        with self._dropped_on_failure(state_key):
+        with _DroppedOnFailure(self, state_key):
             result = self._execute(call, state, plan, dtype, settings, dispatch, reuse_host_arrays, output, while_gpu_runs, replayable)
         if call.block_row_indices is not None:
             self._layouts[node_key] = plan
@@ -253,7 +253,7 @@ class WebGPUExecutor:
                                                    state.cache.record):
                 return None
             phases = {"sync": time.perf_counter() - start}
-            with self._dropped_on_failure(state_key):
+            with _DroppedOnFailure(self, state_key):
                 ran = steady.run(self.context.device, shape, query, key, value, past_key, past_value, cos_table, sin_table, output,
                                  while_gpu_runs, state.cache.record, phases)
             if ran is None:
@@ -310,12 +310,6 @@ class WebGPUExecutor:
         state = self._states.pop(state_key, None)
         if state is not None:
             state.release()
-
-    def _dropped_on_failure(self, state_key) -> "_DroppedOnFailure":
-        """A call of a node's state: any failure drops the state (what the GPU holds for the
-        node is unknown then, so it starts afresh). The GPU's own failures are reported as
-        GpuExecutionError; a host-side fault is reported as it is."""
-        return _DroppedOnFailure(self, state_key)
 
     def _steady_validity(self, state: NodeState) -> tuple:
         """What a node's replay holds on to (SteadyDecode.validity): the buffer pools it binds
@@ -594,8 +588,10 @@ def _check_output(output: np.ndarray | None, shape: CallShape) -> None:
 
 
 class _DroppedOnFailure:
-    """WebGPUExecutor._dropped_on_failure's context (a class: a generator-based one costs a
-    decode step several times the calls)."""
+    """The context of a call of a node's state: any failure drops the state (what the GPU
+    holds for the node is unknown then, so it starts afresh). The GPU's own failures are
+    reported as GpuExecutionError; a host-side fault is reported as it is. (A class: a
+    generator-based context costs a decode step several times the calls.)"""
 
     __slots__ = ("executor", "state_key")
 
