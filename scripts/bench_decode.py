@@ -28,7 +28,10 @@ ORT measured in the same round moves with it. A prefill case reports ``run`` min
 time. The node's host record is reported against the cache's bytes. Where NVML is found (NVIDIA GPUs), the GPU's SM clock is read
 after each timed step and each timestamped one (medians: "SM MHz (run / GPU)"): GPU times
 in a decode loop are taken at whatever clock the loop leaves the GPU in
-(sparse_attention_op/benchmarking/clocks.py).
+(sparse_attention_op/benchmarking/clocks.py). After each timed step, outside its timing, a
+fixed piece of host work is timed too ("host probe us", medians): the host's own speed
+changes from second to second, and a row whose probe took longer ran on a slower host
+(sparse_attention_op/benchmarking/host_speed.py).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import onnxruntime as ort
 from sparse_attention_op.arguments import positive
 from sparse_attention_op.benchmarking.clocks import SmClock, median_mhz, sm_clock
 from sparse_attention_op.benchmarking.common import PHI3_SMALL, identity_floor_session, median_seconds
+from sparse_attention_op.benchmarking.host_speed import HostProbe, median_us
 
 import sparse_attention_op as sao
 from sparse_attention_op.graphs import sparse_attention_model
@@ -90,6 +94,7 @@ class Row:
     sm_mhz_gpu: float | None = None  # and after the timestamped session's steps
     phases_us: dict | None = None  # the op's phases (CallStats.phases), medians in microseconds
     replayed_steps: int = 0  # timed steps that replayed the node's last call (CallStats.replayed; webgpu/steady.py)
+    host_probe_us: float | None = None  # the host probe after each timed step (median; benchmarking/host_speed.py)
 
     def cells(self) -> list[str]:
         def ms(value):
@@ -99,15 +104,19 @@ class Row:
         vs_identity = "-" if self.identity_ms is None else f"{self.run_ms / self.identity_ms:.2f}x"
         return [self.kv_check, self.way, str(self.capacity), str(self.history), ms(self.run_ms), ms(self.op_host_ms), ms(self.gpu_ms),
                 ms(self.ort_cpu_ms), ms(self.identity_ms), vs_ort, vs_identity, f"{100 * self.record_fraction:.2f}%",
-                f"{_mhz(self.sm_mhz_run)} / {_mhz(self.sm_mhz_gpu)}"]
+                f"{_mhz(self.sm_mhz_run)} / {_mhz(self.sm_mhz_gpu)}", _us(self.host_probe_us)]
 
 
 def _mhz(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
 
 
+def _us(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
 HEADER = ["kv_check", "way", "capacity", "history", "run ms", "op host ms", "GPU ms", "ORT CPU ms", "Identity ms", "run / ORT CPU", "run / Identity", "record / cache",
-          "SM MHz (run / GPU)"]
+          "SM MHz (run / GPU)", "host probe us"]
 
 
 #: Untimed steps before a case's timed ones.
@@ -189,17 +198,18 @@ def gpu_seconds(model, kv_check: str, capacity: int, history: int, way: str, ste
     return times, clocks
 
 
-def run_case(kv_check: str, way: str, capacity: int, history: int, args, rng, clock: SmClock, profile: bool = True) -> Row:
+def run_case(kv_check: str, way: str, capacity: int, history: int, args, rng, clock: SmClock, probe: HostProbe, profile: bool = True) -> Row:
     """One case's row; its GPU times too unless ``profile`` (or ``--no-profile``) says not."""
     model = model_for(capacity, rng)
     session = sao.create_session(model, kv_check=kv_check)
     decoder = Decoder(session, capacity, history, way, rng)
     for _ in range(WARMUP_STEPS):  # the first step brings the history to the GPU
         decoder.step()
-    runs, hosts, clocks, phases, replayed = [], [], [], [], 0
+    runs, hosts, clocks, phases, probes, replayed = [], [], [], [], [], 0
     for _ in range(args.steps):
         runs.append(decoder.step())
         clocks.append(clock.read())  # after the step's run: outside its timing
+        probes.append(probe.seconds())  # likewise
         stats = node_stats(session)
         phases.append(stats.phases)
         replayed += stats.replayed
@@ -219,7 +229,8 @@ def run_case(kv_check: str, way: str, capacity: int, history: int, args, rng, cl
     del decoder
     return Row(kv_check, way, capacity, history, statistics.median(runs) * 1e3, statistics.median(hosts) * 1e3,
                statistics.median(gpus) * 1e3 if gpus else None, ort_ms, identity_ms, record_bytes / cache_bytes, median_mhz(clocks),
-               median_mhz(gpu_clocks), {name: round(statistics.median(p[name] for p in phases) * 1e6) for name in phases[0]}, replayed)
+               median_mhz(gpu_clocks), {name: round(statistics.median(p[name] for p in phases) * 1e6) for name in phases[0]}, replayed,
+               median_us(probes))
 
 
 def prefill_case(kv_check: str, length: int, args, rng, clock: SmClock) -> dict:
@@ -270,14 +281,20 @@ def print_round_medians(rounds: list[list[Row]]) -> None:
 
     print(f"\nmedians over {len(rounds)} rounds\n")
     header = ["kv_check", "way", "capacity", "history", "run ms", "run ms (least - most)", "op host ms", "GPU ms", "ORT CPU ms", "Identity ms",
-              "run / ORT CPU", "run / Identity"]
+              "run / ORT CPU", "run / Identity", "host probe us (least - most)"]
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for rows in zip(*rounds):
         first = rows[0]
         runs = [row.run_ms for row in rows]
         print("| " + " | ".join([first.kv_check, first.way, str(first.capacity), str(first.history), ms(runs), f"{min(runs):.3f} - {max(runs):.3f}",
                                  ms(row.op_host_ms for row in rows), ms(row.gpu_ms for row in rows), ms(row.ort_cpu_ms for row in rows),
-                                 ms(row.identity_ms for row in rows), ratio(rows, "ort_cpu_ms"), ratio(rows, "identity_ms")]) + " |", flush=True)
+                                 ms(row.identity_ms for row in rows), ratio(rows, "ort_cpu_ms"), ratio(rows, "identity_ms"),
+                                 _probe_span(rows)]) + " |", flush=True)
+
+
+def _probe_span(rows: list[Row]) -> str:
+    probes = [row.host_probe_us for row in rows if row.host_probe_us is not None]
+    return f"{min(probes):.0f} - {max(probes):.0f}" if probes else "-"
 
 
 def rss_bytes() -> int:
@@ -327,6 +344,7 @@ def main() -> int:
 
     executor = get_executor()
     clock = sm_clock()
+    probe = HostProbe()
     rng = np.random.default_rng(0)
     machine = f"{platform.node()} ({os.cpu_count()} CPUs), adapter {executor.context.description}, onnxruntime {ort.__version__}"
     if not clock.available:
@@ -340,7 +358,7 @@ def main() -> int:
         measured = []
         for case in cases:
             # The GPU's times do not drift with the host's: the first round's serve.
-            row = run_case(*case, args, rng, clock, profile=round_index == 0)
+            row = run_case(*case, args, rng, clock, probe, profile=round_index == 0)
             measured.append(row)
             print("| " + " | ".join(row.cells()) + " |", flush=True)
         rounds.append(measured)

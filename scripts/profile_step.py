@@ -28,6 +28,7 @@ import onnxruntime as ort
 
 from sparse_attention_op.arguments import non_negative, positive
 from sparse_attention_op.benchmarking.common import PHI3_SMALL
+from sparse_attention_op.benchmarking.host_speed import HostProbe
 from bench_decode import Decoder, model_for, node_stats
 
 import sparse_attention_op as sao
@@ -124,7 +125,7 @@ def timeline(kv_check: str, way: str, capacity: int, history: int, steps: int, r
         driver = Decoder(session, capacity, history, way, rng)
         for _ in range(WARMUP_STEPS):
             driver.step()
-        rows, replayed = collections.defaultdict(list), 0
+        rows, replayed, probe = collections.defaultdict(list), 0, HostProbe()
         for _ in range(steps):
             marks.clear()
             seconds = driver.step()  # run_with_iobinding (or run) alone
@@ -137,6 +138,7 @@ def timeline(kv_check: str, way: str, capacity: int, history: int, steps: int, r
             replayed += stats.replayed
             for name, seconds in stats.phases.items():
                 rows[f"op: {name}"].append(seconds * 1e6)
+            rows["host probe (after the step)"].append(probe.seconds() * 1e6)  # the host's speed now (benchmarking/host_speed.py)
     finally:
         bridge._compute = body
     print(f"\n### timeline: {kv_check}, {way}, capacity {capacity}, history {history} (medians of {steps} steps; the "
