@@ -237,34 +237,25 @@ class KernelContext:
 
     def input(self, index: int) -> np.ndarray | None:
         """Input ``index`` as a read-only view, or None where the node leaves it out."""
-        constant = self._constants.get(index)
-        if constant is not None:
-            return constant
-        located = self.input_pointer(index)
-        if located is None:
-            return None
-        pointer, shape = located
-        return view(pointer, shape, self._declaration.input_dtypes[index], writeable=False)
+        return self._input(index, self._declaration.input_dtypes[index], self.input_count())
 
     def inputs(self) -> list[np.ndarray | None]:
         """Every declared input, each as :meth:`input` gives it, in one pass: a kernel that
         reads them all (the bridge's, every decode step) makes one call, not one per input."""
-        found, constants, count = [], self._constants, self.input_count()
-        for index, dtype in enumerate(self._declaration.input_dtypes):
-            tensor = constants.get(index)
-            if tensor is None and index < count:
-                located = self._locate(index)
-                if located is not None:
-                    tensor = view(*located, dtype, writeable=False)
-            found.append(tensor)
-        return found
+        count = self.input_count()
+        return [self._input(index, dtype, count) for index, dtype in enumerate(self._declaration.input_dtypes)]
 
-    def input_pointer(self, index: int) -> tuple[int, tuple[int, ...]] | None:
-        """Where input ``index`` lies and its shape, or None where the node leaves it out."""
-        return self._locate(index) if index < self.input_count() else None
+    def _input(self, index: int, dtype: np.dtype, count: int) -> np.ndarray | None:
+        """input(), given the input's dtype and the node's input count."""
+        constant = self._constants.get(index)
+        if constant is not None:
+            return constant
+        located = self._locate(index) if index < count else None
+        return None if located is None else view(*located, dtype, writeable=False)
 
     def _locate(self, index: int) -> tuple[int, tuple[int, ...]] | None:
-        """input_pointer for an index below the input count."""
+        """Where input ``index`` (below the input count) lies and its shape, or None where the
+        node leaves it out."""
         api = self._api
         status = api.KernelContext_GetInput(self._context, index, self._scratch.value_address)
         if status:
