@@ -87,6 +87,8 @@ PREFILL_CANDIDATES = [
     ("regs 8x4", tiled(prefill_query_regs=8)),
     ("regs 4x8", tiled(prefill_key_regs=8)),
     ("q32 regs 2x4", tiled(prefill_query_tile=32, prefill_query_regs=2)),
+    ("wg512 regs 2x4", tiled(prefill_query_regs=2)),
+    ("wg512 regs 4x2", tiled(prefill_key_regs=2)),
 ]
 
 #: The rows pass (CPU adapters): on a GPU it runs 100x slower than the tiled pass
@@ -126,7 +128,16 @@ DECODE_CANDIDATES = [
     ("append pass", dict(decode_fused_append=False)),
     ("fused append", dict(decode_fused_append=True)),
     ("merge pass", dict(decode_split_merges=False)),
-    ("split merges", dict(decode_split_merges=True)),  # where the adapter's own tuning does not (CPU adapters)
+    ("split merges", dict(decode_split_merges=True)),
+    ("wg 512", dict(decode_workgroup=512)),
+    ("wg 512 keys/group 1", dict(decode_workgroup=512, decode_keys_per_group=1)),
+    ("wg 1024 keys/group 1", dict(decode_workgroup=1024, decode_keys_per_group=1)),
+    ("wg 512 target 128", dict(decode_workgroup=512, decode_target_workgroups=128)),
+    ("keys/group 1 target 512", dict(decode_keys_per_group=1, decode_target_workgroups=512)),
+    ("keys/group 1 target 1024", dict(decode_keys_per_group=1, decode_target_workgroups=1024, decode_min_keys_per_split=32)),
+    ("wg 128 keys/group 1 target 1024", dict(decode_workgroup=128, decode_keys_per_group=1, decode_target_workgroups=1024, decode_min_keys_per_split=32)),
+    ("wg 128 keys/group 1 target 2048", dict(decode_workgroup=128, decode_keys_per_group=1, decode_target_workgroups=2048, decode_min_keys_per_split=16)),
+    ("lanes 16 keys/group 1 target 512", dict(decode_lanes_per_key=16, decode_keys_per_group=1, decode_target_workgroups=512, decode_min_keys_per_split=32)),  # where the adapter's own tuning does not (CPU adapters)
 ]
 
 

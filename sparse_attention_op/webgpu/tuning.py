@@ -191,7 +191,9 @@ class Tuning:
     #: Register block of the score product: each invocation owns QR x KR scores, so one
     #: vec4 of Q and one of K feed QR*KR dot products. 4 x 4 is the plain GEMM blocking
     #: (256 invocations for a 64 x 64 tile). H200: 8 x 4 was 6-9% slower, 4 x 8 10-13%,
-    #: 8 x 8 2x (registers), 32-query tiles with 2 x 4 blocks 1.4x.
+    #: 8 x 8 2x (registers), 32-query tiles with 2 x 4 blocks 1.4x. H100 (2026-12-06): 512
+    #: invocations per 64 x 64 tile, as 2 x 4 or 4 x 2 blocks (fewer registers each), 3.64 and
+    #: 3.82 ms at 4096 tokens against 3.51 (3-10% slower at 1024 and 8192 too).
     prefill_query_regs: int = 4
     prefill_key_regs: int = 4
     #: Head vec4s per Q/K staging step: (TQ + TK) x 8 vec4 = 18 KiB with padding, two
@@ -284,6 +286,14 @@ class Tuning:
     #: H100 (2026-12-05, clocks at 1980 MHz, decode at 8191, per dispatch ms, f32 / f16
     #: cache): this default 0.027 / 0.023; 192 0.027 / 0.024; 128 0.031 / 0.026; 128 with 4
     #: keys per lane group 0.036 / 0.029; 4 lanes per key 0.040 / 0.037.
+    #: H100 (2026-12-06, two sweeps, per dispatch and one pass, f32 / f16 cache): this default
+    #: 0.027 and 0.019 / 0.023 and 0.019 ms. Shorter chains per slice all lost, whether by more
+    #: workgroups or by wider ones: 512 0.030 / 0.027; one key per lane group (fewer
+    #: registers, so more workgroups resident) at 256 0.026 and 0.021 / 0.023 and 0.019, at
+    #: 512 0.031 / 0.027, at 1024 0.035 / 0.030; the same with 128 invocations at 1024 and 2048
+    #: 0.032-0.039 / 0.027-0.035; 512 invocations (128-key tiles, or 64-key tiles with half
+    #: the loads per invocation) 0.036-0.038 / 0.033-0.035, over 128 workgroups 0.028 / 0.025;
+    #: 1024 invocations 0.041 / 0.039; 16 lanes per key, one key each, at 512 0.028 / 0.025.
     decode_target_workgroups: int = 256
     #: No split gets fewer keys than this (a split re-reads q and writes a partial).
     decode_min_keys_per_split: int = 64
