@@ -290,7 +290,7 @@ def prefill_rows(shape: CallShape, tuning: Tuning, cache: CacheFormat, resources
 
 
 def decode_split(shape: CallShape, split: DecodeSplit, splits: int, cache: CacheFormat, resources: Mapping[str, BufferRange],
-                 fused_append: bool = False, merges: bool = False, max_splits: int = 0) -> Dispatch:
+                 fused_append: bool = False, merges: bool = False) -> Dispatch:
     """One workgroup per (slice, query, head, batch row): a partial softmax per slice.
     With ``fused_append`` it reads the call's own rows from the inputs (decode_merge writes them).
     With ``merges`` each query's last slice to finish merges the slices into the output
@@ -319,7 +319,6 @@ def decode_split(shape: CallShape, split: DecodeSplit, splits: int, cache: Cache
             ("shared_query", split.shared_query),
             ("fused_append", fused_append),
             ("merges", merges),
-            ("max_splits", max_splits),
         ) + _new_row_constants(shape, cache) + rotary_constants,
     )
     workgroups = (splits * shape.seq_len, shape.attributes.num_heads, shape.batch_size)
@@ -348,8 +347,7 @@ def decode_merge(shape: CallShape, tuning: Tuning, splits: int, cache: CacheForm
         template="decode_merge.wgsl.jinja",
         bindings=bindings,
         uniforms=declared,
-        constants=(("head_vec", head_vec), ("workgroup_size", workgroup), ("max_splits", tuning.decode_max_splits),
-                   ("fused_append", fused_append)) + _new_row_constants(shape, cache) + rotary_constants,
+        constants=(("head_vec", head_vec), ("workgroup_size", workgroup), ("fused_append", fused_append)) + _new_row_constants(shape, cache) + rotary_constants,
     )
     return bind("attention_merge", program, resources, uniforms, _fold(uniforms["count"]))
 
@@ -406,7 +404,7 @@ def call_dispatches(shape: CallShape, tuning: Tuning, cache: CacheFormat, resour
     if route == SPLIT:
         splits, split = tuning.decode_splits(shape), tuning.decode_split(shape)
         if tuning.decode_merges_in_split(shape):
-            passes = [decode_split(shape, split, splits, cache, resources, fused, merges=True, max_splits=tuning.decode_max_splits)]
+            passes = [decode_split(shape, split, splits, cache, resources, fused, merges=True)]
         else:
             passes = [decode_split(shape, split, splits, cache, resources, fused), decode_merge(shape, tuning, splits, cache, resources, fused)]
     elif route == TILED:

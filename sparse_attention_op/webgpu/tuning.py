@@ -150,12 +150,13 @@ class DecodeSplit:
         """Key parts in the value step: invocations per output vec4 column."""
         return self.workgroup // self.head_vec
 
-    def workgroup_bytes(self, max_splits: int) -> int:
+    def workgroup_bytes(self) -> int:
         """The workgroup arrays of decode_split.wgsl.jinja: lane sums, scores, each part's
-        max, sum and accumulator, the shared query, and (merging) a slice's stats and flag."""
+        max, sum and accumulator, the shared query, and (merging) each part's fold of the
+        slices and the last-slice flag."""
         vec4 = 16
         shared = self.tile_keys * self.lanes_per_key * 4 + self.tile_keys * 4 + 2 * self.parts * 4 + self.parts * self.head_vec * vec4
-        return shared + (self.head_vec * vec4 if self.shared_query else 0) + max_splits * 8 + 4
+        return shared + (self.head_vec * vec4 if self.shared_query else 0) + self.parts * 8 + 4
 
 
 @dataclass(frozen=True)
@@ -399,7 +400,7 @@ class Tuning:
             return None
         split = DecodeSplit(self.decode_workgroup, min(self.decode_lanes_per_key, _pow2_at_least(head_vec)), self.decode_keys_per_group, head_vec,
                             self.decode_shared_query)
-        if split.workgroup_bytes(self.decode_max_splits) > self.workgroup_storage_bytes:
+        if split.workgroup_bytes() > self.workgroup_storage_bytes:
             return None  # the simple pass serves it (about 9 KiB at the defaults: any adapter holds that)
         return split
 
