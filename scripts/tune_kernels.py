@@ -89,6 +89,9 @@ PREFILL_CANDIDATES = [
     ("q32 regs 2x4", tiled(prefill_query_tile=32, prefill_query_regs=2)),
     ("wg512 regs 2x4", tiled(prefill_query_regs=2)),
     ("wg512 regs 4x2", tiled(prefill_key_regs=2)),
+    ("warp 4x8", tiled(prefill_lane_cols=8)),
+    ("warp 8x4", tiled(prefill_lane_cols=4)),
+    ("checked shaders", dict(shader_runtime_checks=True)),
 ]
 
 #: The rows pass (CPU adapters): on a GPU it runs 100x slower than the tiled pass
@@ -107,6 +110,7 @@ ROWS_CANDIDATES = [
 DECODE_CANDIDATES = [
     ("default", {}),
     ("simple pass", SIMPLE_PASS),
+    ("checked shaders", dict(shader_runtime_checks=True)),
     ("target 64", dict(decode_target_workgroups=64)),
     ("target 256", dict(decode_target_workgroups=256)),
     ("target 512", dict(decode_target_workgroups=512)),

@@ -167,7 +167,7 @@ class WebGPUExecutor:
     def __init__(self, context: GpuContext | None = None, tuning: Tuning | None = None):
         self.context = context or get_context()
         self.tuning = tuning or choose_tuning(self.context.limits, self.context.features, self.context.adapter_type)
-        self.pipelines = PipelineCache(self.context.device)
+        self.pipelines = PipelineCache(self.context.device, runtime_checks=self.tuning.shader_runtime_checks)
         self.plans = BlockPlanCache()
         self._states: dict[tuple[str, int], NodeState] = {}
         #: Layouts by node key, for nodes whose layout is a constant (sent once).

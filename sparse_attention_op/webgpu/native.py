@@ -1,7 +1,8 @@
 """wgpu-native's functions as wgpu-py binds them, for the hot paths that call them directly.
 
 Two paths of every call go around wgpu-py's Python classes: buffer maps (mapping.py) and
-the recording of a call's commands (recording.py). Both call wgpu-native's functions
+the recording of a call's commands (recording.py). One path of compiling goes around them
+too: shader modules without Naga's runtime checks (:func:`create_unchecked_shader_module`). Both call wgpu-native's functions
 (``lib``) inside one :class:`ErrorCapture` each: the errors wgpu-native reports meanwhile
 raise as a ``wgpu.GPUError``, as wgpu-py's own methods (and its per-function wrappers,
 ``libf``) would raise them, at a cost of one capture per map or recording instead of one
@@ -17,11 +18,11 @@ import os
 import wgpu
 
 try:  # wgpu-py's native backend: its cffi handle, the library functions it binds, its error sink.
-    from wgpu.backends.wgpu_native._api import error_handler, libf
+    from wgpu.backends.wgpu_native._api import GPUShaderModule, error_handler, libf
     from wgpu.backends.wgpu_native._ffi import ffi, lib
     from wgpu.backends.wgpu_native._helpers import ERROR_TYPES
 except ImportError:  # pragma: no cover - another wgpu version
-    libf = ffi = lib = error_handler = None
+    libf = ffi = lib = error_handler = GPUShaderModule = None
     ERROR_TYPES = {}
 
 #: The internals the direct paths use, wgpu-py's error sink's capture stack included.
@@ -76,3 +77,42 @@ class ErrorCapture:
 def enabled(variable: str) -> bool:
     """Whether a direct path is on: the internals exist and ``variable`` is not ``public``."""
     return AVAILABLE and os.environ.get(variable) != "public"
+
+
+#: Whether wgpu-native can create a shader module without Naga's runtime checks.
+UNCHECKED_SHADERS = AVAILABLE and hasattr(lib, "wgpuDeviceCreateShaderModuleTrusted")
+
+
+def create_unchecked_shader_module(device, wgsl: str, label: str):
+    """A shader module of ``wgsl`` compiled without Naga's runtime checks.
+
+    By default (``wgpuDeviceCreateShaderModule``) Naga clamps every dynamic index into an
+    array held in workgroup or function memory and counts every loop's iterations in a
+    64-bit counter that breaks out at 2^64 (ForceLoopBounding), so that no WGSL program can
+    read out of bounds or make a driver assume an infinite loop away. The counter keeps
+    drivers from unrolling fixed-count loops and each clamp sits between an index and its
+    load (gfx-rs/wgpu#7698 reports a 100x slowdown from the loop counters alone). wgpu-native's
+    ``wgpuDeviceCreateShaderModuleTrusted`` with ``WGPUShaderRuntimeChecks_None`` leaves
+    both out. Only for WGSL whose indices are in range and whose loops end by construction:
+    this package's own templates (Tuning.shader_runtime_checks says why they qualify).
+    Storage buffer accesses stay guarded by the driver's robust buffer access, which wgpu
+    enables on the device itself. Raises like wgpu-py's ``create_shader_module``.
+    """
+    code = wgsl.encode()
+    code_chars = ffi.new("char[]", code)
+    name = label.encode()
+    name_chars = ffi.new("char[]", name)
+    source = ffi.new("WGPUShaderSourceWGSL *")
+    source.chain.next = ffi.NULL
+    source.chain.sType = lib.WGPUSType_ShaderSourceWGSL
+    source.code.data = code_chars
+    source.code.length = len(code)
+    descriptor = ffi.new("WGPUShaderModuleDescriptor *")
+    descriptor.nextInChain = ffi.cast("WGPUChainedStruct *", source)
+    descriptor.label.data = name_chars
+    descriptor.label.length = len(name)
+    # libf raises wgpu-native's validation errors (a WGSL error) as wgpu-py's own call would.
+    handle = libf.wgpuDeviceCreateShaderModuleTrusted(device._internal, descriptor, lib.WGPUShaderRuntimeChecks_None)
+    if handle == ffi.NULL:
+        raise RuntimeError(f"{label}: shader module creation failed")
+    return GPUShaderModule(label, handle, device)

@@ -19,6 +19,8 @@ import jinja2
 import numpy as np
 import wgpu
 
+from . import native
+
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 #: WebGPU's guaranteed minimum of maxComputeWorkgroupsPerDimension.
 MAX_WORKGROUPS_PER_DIM = 65535
@@ -145,8 +147,10 @@ class CompiledProgram:
 class PipelineCache:
     """Compiled pipelines of one device, keyed by everything that shaped their WGSL."""
 
-    def __init__(self, device):
+    def __init__(self, device, runtime_checks: bool = True):
         self._device = device
+        #: Whether Naga's runtime checks stay in the shaders (Tuning.shader_runtime_checks).
+        self.runtime_checks = runtime_checks or not native.UNCHECKED_SHADERS
         self._compiled: dict[tuple, CompiledProgram] = {}
         self._lock = threading.Lock()
 
@@ -165,7 +169,10 @@ class PipelineCache:
     def _compile(self, program: Program) -> CompiledProgram:
         wgsl = program.render()
         device = self._device
-        module = device.create_shader_module(code=wgsl, label=program.template)
+        if self.runtime_checks:
+            module = device.create_shader_module(code=wgsl, label=program.template)
+        else:
+            module = native.create_unchecked_shader_module(device, wgsl, program.template)
         storage = wgpu.BufferBindingType
         entries = [{"binding": 0, "visibility": wgpu.ShaderStage.COMPUTE, "buffer": {"type": storage.uniform}}]
         for index, binding in enumerate(program.bindings, start=1):

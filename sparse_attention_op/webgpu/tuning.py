@@ -44,6 +44,10 @@ from ..spec import CallShape
 
 SIMPLE, TILED, SPLIT, ROWS = "simple", "tiled", "split", "rows"
 
+#: Consecutive invocations whose workgroup-memory reads are served together: NVIDIA's warp
+#: (the tiled pass numbers its invocation grid in blocks of this many, Tuning.prefill_lane_cols).
+LANE_BLOCK = 32
+
 
 @dataclass(frozen=True)
 class PrefillTiling:
@@ -59,6 +63,7 @@ class PrefillTiling:
     prefetch: bool = True  # software-pipelined staging (loads a step ahead, in registers)
     fma_scores: bool = True  # scores as chains of fma(), not dot() then an add
     resident_query: bool = True  # Q loaded, rotated and scaled once into registers (no query_prep pass)
+    lane_cols: int = 0  # key columns each run of 32 invocations spans (0: all KT, row-major)
 
     @property
     def query_threads(self) -> int:
@@ -71,6 +76,17 @@ class PrefillTiling:
     @property
     def workgroup(self) -> int:
         return self.query_threads * self.key_threads
+
+    @property
+    def lane_block_cols(self) -> int:
+        """Invocation columns (tk) that each run of LANE_BLOCK = 32 consecutive invocations
+        spans before the next query row: lane_cols where it tiles the grid, else all KT
+        (row-major numbering, the template's plain form)."""
+        cols = self.lane_cols
+        if (cols <= 0 or cols >= self.key_threads or self.key_threads % cols or LANE_BLOCK % cols
+                or self.query_threads % (LANE_BLOCK // cols) or self.workgroup % LANE_BLOCK):
+            return self.key_threads
+        return cols
 
     @property
     def value_cols(self) -> int:
@@ -232,6 +248,13 @@ class Tuning:
     #: 3.600 / 9.242 for the same candidates in the same process.
     prefill_resident_query: bool = True
     prefill_resident_query_vec4: int = 16
+    #: How the invocation grid (QT query rows x KT key columns) is numbered: each run of 32
+    #: consecutive invocations (a warp) covers 32 / lane_cols rows x lane_cols columns. 0:
+    #: row-major, a warp is 2 rows x 16 columns at the defaults, so each K (and V) read of a
+    #: warp touches 16 distinct vec4s (256 bytes, two shared-memory wavefronts) and each Q
+    #: (and P) read 2. At 8 a warp is 4 x 8: 8 and 4 distinct vec4s, 128 and 64 bytes, one
+    #: wavefront each: the squarer warp tile of GEMM kernels.
+    prefill_lane_cols: int = 0
     #: Calls of fewer queries (and more than decode_max_queries) use the simple pass: at
     #: the defaults there are none, every call of 17 queries or more is a prefill.
     prefill_min_queries: int = 17
@@ -317,6 +340,18 @@ class Tuning:
     #: 0.021 (f32) and 0.020 (f16) at 8191.
     decode_split_merges: bool = True
 
+    # -- compiling -----------------------------------------------------------------------
+    #: Keep Naga's runtime checks in the kernels: a clamp on every dynamic index into a
+    #: workgroup or function array, and a 64-bit iteration counter on every loop
+    #: (native.create_unchecked_shader_module says what they cost). Off: this package's
+    #: templates index their workgroup arrays through constants and invocation ids bounded
+    #: by the workgroup size, and loop over constant counts or over key and chunk counts
+    #: bounded by the call's uniforms, so the checks can never act; every route is tested
+    #: with them off against the reference, and bit for bit against the checked shaders
+    #: (tests/test_kernels.py). Storage buffers stay guarded by the driver either way. On
+    #: where wgpu-native lacks the unchecked path; SAO_SHADER_CHECKS=1 turns it on anyway.
+    shader_runtime_checks: bool = False
+
     # -- the host's waits ----------------------------------------------------------------
     #: A map waits this long on non-blocking polls before it sleeps in a blocking one
     #: (mapping._wait): a decode step's GPU work is shorter than the wake-up of a sleeping
@@ -376,7 +411,8 @@ class Tuning:
             return None
         head_vec = shape.head_size // 4
         tiling = PrefillTiling(query_tile, self.prefill_key_tile, query_regs, self.prefill_key_regs, min(self.prefill_depth_chunk, head_vec),
-                               self.prefill_value_chunk, head_vec, self.prefill_prefetch, self.prefill_fma_scores)
+                               self.prefill_value_chunk, head_vec, self.prefill_prefetch, self.prefill_fma_scores,
+                               lane_cols=self.prefill_lane_cols)
         if tiling.workgroup > self.max_invocations:
             return None
         if not (tiling.valid() and tiling.workgroup_bytes() <= self.workgroup_storage_bytes):
@@ -496,6 +532,8 @@ def choose_tuning(limits: dict, features: frozenset, adapter_type: str | None = 
         tuning = dataclasses.replace(tuning, map_spin_seconds=0.0, **CPU_DECODE_FIELDS)
     if cpu and "subgroup" in features:
         tuning = dataclasses.replace(tuning, **CPU_PREFILL_FIELDS)
+    if os.environ.get("SAO_SHADER_CHECKS", "") not in ("", "0"):
+        tuning = dataclasses.replace(tuning, shader_runtime_checks=True)
     chunk = int(os.environ.get("SAO_TRANSFER_CHUNK_BYTES", tuning.transfer_chunk_bytes))
     # A chunk's buffers come from a pool that refuses buffers beyond the binding limit.
     return dataclasses.replace(tuning, transfer_chunk_bytes=min(chunk, binding_bytes) if chunk > 0 else 0)
