@@ -89,8 +89,6 @@ PREFILL_CANDIDATES = [
     ("q32 regs 2x4", tiled(prefill_query_tile=32, prefill_query_regs=2)),
     ("wg512 regs 2x4", tiled(prefill_query_regs=2)),
     ("wg512 regs 4x2", tiled(prefill_key_regs=2)),
-    ("warp 4x8", tiled(prefill_lane_cols=8)),
-    ("warp 8x4", tiled(prefill_lane_cols=4)),
     ("checked shaders", dict(shader_runtime_checks=True)),
 ]
 

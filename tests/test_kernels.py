@@ -7,12 +7,13 @@ import dataclasses
 
 import numpy as np
 import pytest
+import wgpu
 
 from helpers import assert_matches_reference, run_executor
 from sparse_attention_op.inputs import CaseConfig, random_inputs
 from sparse_attention_op.reference import sparse_attention_reference
 from sparse_attention_op.spec import OpAttributes, build_call
-from sparse_attention_op.webgpu import kernels
+from sparse_attention_op.webgpu import kernels, native
 from sparse_attention_op.webgpu.executor import WebGPUExecutor
 from sparse_attention_op.webgpu.programs import BufferRange
 from sparse_attention_op.webgpu.tuning import ROWS, SIMPLE, SPLIT, TILED, Tuning, choose_tuning
@@ -25,12 +26,8 @@ SMALL_TILES = dict(prefill_query_tile=16, prefill_key_tile=16, prefill_query_reg
 ROUTES = {
     TILED: dict(SMALL_TILES),
     "tiled-default": dict(prefill_min_queries=2, decode_max_queries=1, prefill_pass=TILED),
-    # The default tiles (16 x 16 invocations) numbered in warps of 4 x 8.
-    "tiled-default-lane-cols": dict(prefill_min_queries=2, decode_max_queries=1, prefill_pass=TILED, prefill_lane_cols=8),
     "tiled-no-prefetch": dict(SMALL_TILES, prefill_prefetch=False),
     "tiled-dot-scores": dict(SMALL_TILES, prefill_fma_scores=False),
-    # Warps of 4 x 8 invocations (SMALL_TILES's grid is 8 x 8): tq and tk from the warp's number.
-    "tiled-lane-cols": dict(SMALL_TILES, prefill_lane_cols=4),
     # Queries from a query_prep pass, re-read every key tile (by default they stay in registers).
     "tiled-prepared-query": dict(SMALL_TILES, prefill_resident_query=False),
     # ...and staged without prefetch: the runtime loop over depth chunks, loads in each step.
@@ -92,8 +89,8 @@ def decode_route(route) -> str:
     return SPLIT if route.startswith((TILED, SPLIT)) else route
 
 
-@pytest.mark.parametrize("route", [TILED, "tiled-default", "tiled-default-lane-cols", "tiled-no-prefetch", "tiled-dot-scores",
-                                   "tiled-lane-cols", "tiled-prepared-query", "tiled-prepared-no-prefetch", ROWS, SIMPLE])
+@pytest.mark.parametrize("route", [TILED, "tiled-default", "tiled-no-prefetch", "tiled-dot-scores", "tiled-prepared-query",
+                                   "tiled-prepared-no-prefetch", ROWS, SIMPLE])
 @pytest.mark.parametrize("seq_len", [16, 37, 70])
 def test_prompt_tiles_cross_block_rows_and_the_diagonal(executor, rng, route, seq_len):
     # Blocks of 32 with tiles of 16: two query tiles per block row, key tiles inside and
@@ -103,7 +100,7 @@ def test_prompt_tiles_cross_block_rows_and_the_diagonal(executor, rng, route, se
     check(runner, config, rng, expect)
 
 
-@pytest.mark.parametrize("route", [TILED, "tiled-no-prefetch", "tiled-lane-cols", "tiled-prepared-query", ROWS, SPLIT])
+@pytest.mark.parametrize("route", [TILED, "tiled-no-prefetch", "tiled-prepared-query", ROWS, SPLIT])
 @pytest.mark.parametrize("past", [(9,), (16,), (30, 3)])
 def test_chunked_prefill_with_history_starts_mid_tile(executor, rng, route, past):
     runner, expect = forced(executor, route)
@@ -237,37 +234,6 @@ def test_rotary_queries(executor, rng, route, rotary):
 
 
 _TILED_ONLY = dict(prefill_min_queries=2, decode_max_queries=1, prefill_pass=TILED)
-
-
-@pytest.mark.parametrize("tiles, lane_cols", [("default", 8), ("default", 4), ("default", 2), ("small", 4)])
-def test_warp_shaped_numbering_equals_row_major(executor, rng, tiles, lane_cols):
-    # Numbering the invocation grid in warps of 32 / lane_cols rows x lane_cols columns only
-    # moves each (tq, tk) to another invocation: every output is computed by the same
-    # arithmetic in the same order, so it is bit-identical to the row-major numbering.
-    fields = dict(SMALL_TILES) if tiles == "small" else dict(_TILED_ONLY)
-    row_major, warped = executor_for(executor, fields), executor_for(executor, dict(fields, prefill_lane_cols=lane_cols))
-    config = CaseConfig(seq_len=75, past_lengths=(21,), max_cache_len=160, sparse_block_size=64, head_size=64, num_heads=4,
-                        kv_num_heads=2, local_blocks=1, vert_stride=2, do_rotary=True)
-    inputs = random_inputs(config, rng)
-    shape = build_call(inputs, OpAttributes.from_mapping(config.node_attributes())).shape
-    tiling = warped.tuning.prefill_tiling(shape)
-    assert tiling.lane_block_cols == lane_cols < tiling.key_threads
-    assert row_major.tuning.prefill_tiling(shape).lane_block_cols == tiling.key_threads
-    expected = run_executor(row_major, inputs, config.node_attributes(), "row-major")
-    assert_matches_reference(expected, inputs, config.node_attributes(), what="row-major invocations")
-    np.testing.assert_array_equal(run_executor(warped, inputs, config.node_attributes(), "warped")[0], expected[0])
-
-
-@pytest.mark.parametrize("lane_cols", [0, 3, 16, 64])
-def test_warp_shape_falls_back_to_row_major_where_it_does_not_tile_the_grid(lane_cols):
-    # 0 asks for row-major; 3 divides neither 32 nor KT; 16 and 64 span the whole row.
-    tiling = Tuning(prefill_lane_cols=lane_cols).prefill_tiling(_phi3_like_shape())
-    assert tiling.lane_block_cols == tiling.key_threads == 16
-
-
-def _phi3_like_shape():
-    config = CaseConfig(seq_len=70, max_cache_len=128, sparse_block_size=64, head_size=128, num_heads=2, kv_num_heads=1)
-    return build_call(random_inputs(config, np.random.default_rng(0)), OpAttributes.from_mapping(config.node_attributes())).shape
 
 
 @pytest.mark.parametrize("tiles,head_size,case", [
@@ -519,3 +485,40 @@ def test_rows_and_tiled_agree_with_simple_on_a_long_prompt(executor, rng):
         results[route] = check(runner, config, rng, expect, inputs=inputs)[0]
     assert np.abs(results["tiled-default"] - results[SIMPLE]).max() < 1e-4
     assert np.abs(results[ROWS] - results[SIMPLE]).max() < 1e-4
+
+
+@pytest.mark.parametrize("route", [TILED, "tiled-default", "tiled-prepared-query", SPLIT, "split-merge-pass", "split-tiles", ROWS, SIMPLE])
+def test_shaders_without_runtime_checks_compute_what_checked_shaders_compute(executor, rng, route):
+    # Naga's index clamps and loop counters never act in these kernels (Tuning.shader_runtime_checks),
+    # so leaving them out changes no output bit; a kernel that relied on a clamp (an index out of
+    # range) would differ here, or fail the reference.
+    fields, expect = ROUTES[route], next((r for r in (TILED, SPLIT) if route.startswith(r)), route)
+    unchecked, checked = executor_for(executor, fields), executor_for(executor, dict(fields, shader_runtime_checks=True))
+    assert checked.pipelines.runtime_checks and unchecked.pipelines.runtime_checks == (not native.UNCHECKED_SHADERS)
+    config = CaseConfig(seq_len=1 if expect == SPLIT else 37, past_lengths=(45,), max_cache_len=96, sparse_block_size=16, head_size=32,
+                        num_heads=4, kv_num_heads=2, local_blocks=2, vert_stride=2, do_rotary=True)
+    outputs = check(unchecked, config, rng, expect)
+    inputs = random_inputs(config, np.random.default_rng(7))
+    expected = run_executor(checked, inputs, config.node_attributes(), "checked")
+    for got, want in zip(run_executor(unchecked, inputs, config.node_attributes(), "unchecked"), expected):
+        np.testing.assert_array_equal(got, want)
+    assert len(outputs) == len(expected)
+
+
+def test_unchecked_shader_modules_report_wgsl_errors_as_checked_ones_do(executor):
+    wgsl = "@compute @workgroup_size(1) fn main() { let x: u32 = 1.5; }"
+    errors = []
+    for create in (lambda: executor.context.device.create_shader_module(code=wgsl, label="bad"),
+                   lambda: native.create_unchecked_shader_module(executor.context.device, wgsl, "bad")):
+        with pytest.raises(wgpu.GPUError) as raised:
+            create()
+        errors.append(type(raised.value))
+    assert errors[0] is errors[1]
+    executor.context.device.create_shader_module(code="@compute @workgroup_size(1) fn main() {}")  # the device still works
+
+
+def test_shader_checks_come_back_on_request(monkeypatch):
+    limits = {"max-compute-workgroup-storage-size": 32768}
+    assert not choose_tuning(limits, frozenset(), "DiscreteGPU").shader_runtime_checks
+    monkeypatch.setenv("SAO_SHADER_CHECKS", "1")
+    assert choose_tuning(limits, frozenset(), "DiscreteGPU").shader_runtime_checks

@@ -13,7 +13,7 @@ from typing import Mapping
 
 from ..spec import CallShape
 from .programs import MAX_WORKGROUPS_PER_DIM, Binding, BufferRange, Dispatch, Program
-from .tuning import LANE_BLOCK, ROWS, SIMPLE, SPLIT, TILED, DecodeSplit, PrefillTiling, Tuning, value_parts
+from .tuning import ROWS, SIMPLE, SPLIT, TILED, DecodeSplit, PrefillTiling, Tuning, value_parts
 
 VEC4 = "vec4<f32>"
 VEC4_F16 = "vec4<f16>"
@@ -269,8 +269,6 @@ def prefill_tiled(shape: CallShape, tiling: PrefillTiling, cache: CacheFormat, r
             ("prefetch", tiling.prefetch),
             ("fma_scores", tiling.fma_scores),
             ("resident_query", tiling.resident_query),
-            ("lane_cols", tiling.lane_block_cols),
-            ("lane_block", LANE_BLOCK),
         ) + rotary_constants,
     )
     workgroups = (shape.attributes.num_heads, _tiled_rows(shape, tiling.query_tile), shape.batch_size)

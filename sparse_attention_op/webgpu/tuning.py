@@ -44,10 +44,6 @@ from ..spec import CallShape
 
 SIMPLE, TILED, SPLIT, ROWS = "simple", "tiled", "split", "rows"
 
-#: Consecutive invocations whose workgroup-memory reads are served together: NVIDIA's warp
-#: (the tiled pass numbers its invocation grid in blocks of this many, Tuning.prefill_lane_cols).
-LANE_BLOCK = 32
-
 
 @dataclass(frozen=True)
 class PrefillTiling:
@@ -63,7 +59,6 @@ class PrefillTiling:
     prefetch: bool = True  # software-pipelined staging (loads a step ahead, in registers)
     fma_scores: bool = True  # scores as chains of fma(), not dot() then an add
     resident_query: bool = True  # Q loaded, rotated and scaled once into registers (no query_prep pass)
-    lane_cols: int = 0  # key columns each run of 32 invocations spans (0: all KT, row-major)
 
     @property
     def query_threads(self) -> int:
@@ -76,17 +71,6 @@ class PrefillTiling:
     @property
     def workgroup(self) -> int:
         return self.query_threads * self.key_threads
-
-    @property
-    def lane_block_cols(self) -> int:
-        """Invocation columns (tk) that each run of LANE_BLOCK = 32 consecutive invocations
-        spans before the next query row: lane_cols where it tiles the grid, else all KT
-        (row-major numbering, the template's plain form)."""
-        cols = self.lane_cols
-        if (cols <= 0 or cols >= self.key_threads or self.key_threads % cols or LANE_BLOCK % cols
-                or self.query_threads % (LANE_BLOCK // cols) or self.workgroup % LANE_BLOCK):
-            return self.key_threads
-        return cols
 
     @property
     def value_cols(self) -> int:
@@ -210,7 +194,12 @@ class Tuning:
     #: (256 invocations for a 64 x 64 tile). H200: 8 x 4 was 6-9% slower, 4 x 8 10-13%,
     #: 8 x 8 2x (registers), 32-query tiles with 2 x 4 blocks 1.4x. H100 (2026-12-06): 512
     #: invocations per 64 x 64 tile, as 2 x 4 or 4 x 2 blocks (fewer registers each), 3.64 and
-    #: 3.82 ms at 4096 tokens against 3.51 (3-10% slower at 1024 and 8192 too).
+    #: 3.82 ms at 4096 tokens against 3.51 (3-10% slower at 1024 and 8192 too). The 16 x 16
+    #: invocations numbered so that a warp covers 4 x 8 or 8 x 4 of them (rows x key columns)
+    #: instead of 2 x 16, so that its K and V reads of workgroup memory touch 8 or 4 distinct
+    #: vec4s, not 16: 3% slower with Naga's runtime checks, 1% without (3.044 against 3.021
+    #: ms at 4096). Without the checks (shader_runtime_checks), at 4096: 8 x 4 3.66, depth 16
+    #: 3.14, V chunks of 64 3.18 ms against 3.02.
     prefill_query_regs: int = 4
     prefill_key_regs: int = 4
     #: Head vec4s per Q/K staging step: (TQ + TK) x 8 vec4 = 18 KiB with padding, two
@@ -248,13 +237,6 @@ class Tuning:
     #: 3.600 / 9.242 for the same candidates in the same process.
     prefill_resident_query: bool = True
     prefill_resident_query_vec4: int = 16
-    #: How the invocation grid (QT query rows x KT key columns) is numbered: each run of 32
-    #: consecutive invocations (a warp) covers 32 / lane_cols rows x lane_cols columns. 0:
-    #: row-major, a warp is 2 rows x 16 columns at the defaults, so each K (and V) read of a
-    #: warp touches 16 distinct vec4s (256 bytes, two shared-memory wavefronts) and each Q
-    #: (and P) read 2. At 8 a warp is 4 x 8: 8 and 4 distinct vec4s, 128 and 64 bytes, one
-    #: wavefront each: the squarer warp tile of GEMM kernels.
-    prefill_lane_cols: int = 0
     #: Calls of fewer queries (and more than decode_max_queries) use the simple pass: at
     #: the defaults there are none, every call of 17 queries or more is a prefill.
     prefill_min_queries: int = 17
@@ -350,6 +332,9 @@ class Tuning:
     #: with them off against the reference, and bit for bit against the checked shaders
     #: (tests/test_kernels.py). Storage buffers stay guarded by the driver either way. On
     #: where wgpu-native lacks the unchecked path; SAO_SHADER_CHECKS=1 turns it on anyway.
+    #: H100 (2026-12-06, one sweep, GPU ms, checked / unchecked): prefill 1024 / 4096 / 8192
+    #: 0.478 / 0.414, 3.511 / 3.056, 9.011 / 7.906 (19.9 -> 22.7 TFLOP/s of selected work);
+    #: decode at 8191 0.027 / 0.027 (f32 cache), 0.023 / 0.020 (f16).
     shader_runtime_checks: bool = False
 
     # -- the host's waits ----------------------------------------------------------------
@@ -411,8 +396,7 @@ class Tuning:
             return None
         head_vec = shape.head_size // 4
         tiling = PrefillTiling(query_tile, self.prefill_key_tile, query_regs, self.prefill_key_regs, min(self.prefill_depth_chunk, head_vec),
-                               self.prefill_value_chunk, head_vec, self.prefill_prefetch, self.prefill_fma_scores,
-                               lane_cols=self.prefill_lane_cols)
+                               self.prefill_value_chunk, head_vec, self.prefill_prefetch, self.prefill_fma_scores)
         if tiling.workgroup > self.max_invocations:
             return None
         if not (tiling.valid() and tiling.workgroup_bytes() <= self.workgroup_storage_bytes):
