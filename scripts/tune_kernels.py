@@ -121,6 +121,7 @@ DECODE_CANDIDATES = [
     ("target 192", dict(decode_target_workgroups=192)),
     ("keys/group 4 target 128", dict(decode_keys_per_group=4, decode_target_workgroups=128)),
     ("keys/group 1", dict(decode_keys_per_group=1)),
+    ("keys/group 2", dict(decode_keys_per_group=2)),
     ("per-lane query", dict(decode_shared_query=False)),
     ("keys/group 4", dict(decode_keys_per_group=4)),
     ("wg 128", dict(decode_workgroup=128)),

@@ -44,6 +44,9 @@ ROUTES = {
     # one that reads the inputs; fused (CPU adapters' own tuning does not fuse).
     "split-tiles": dict(decode_max_queries=4096, decode_target_workgroups=1, decode_workgroup=64, decode_fused_append=True,
                         decode_split_merges=True),
+    # One key per lane group and tile (the GPUs' default; CPU adapters score 2).
+    "split-one-key": dict(decode_max_queries=4096, decode_target_workgroups=4096, decode_min_keys_per_split=3, decode_fused_append=True,
+                          decode_split_merges=True, decode_keys_per_group=1),
     # Every lane group loading and rotating the query itself (by default it is rotated once
     # per workgroup into workgroup memory: Tuning.decode_shared_query).
     "split-per-lane-query": dict(decode_max_queries=4096, decode_target_workgroups=4096, decode_min_keys_per_split=3, decode_fused_append=True,
@@ -108,7 +111,7 @@ def test_chunked_prefill_with_history_starts_mid_tile(executor, rng, route, past
     check(runner, config, rng, expect)
 
 
-@pytest.mark.parametrize("route", [TILED, ROWS, SPLIT, "split-per-lane-query"])
+@pytest.mark.parametrize("route", [TILED, ROWS, SPLIT, "split-one-key", "split-per-lane-query"])
 @pytest.mark.parametrize("head_size", [8, 24, 40, 64, 136, 256])
 def test_head_sizes(executor, rng, route, head_size):
     # 8 and 24: fewer head vec4s than a depth chunk or an output column block (padding);
@@ -147,7 +150,7 @@ def test_default_tiles_shrink_to_the_workgroup_memory(executor, rng, storage):
     check(runner, config, rng, TILED)
 
 
-@pytest.mark.parametrize("route", ["tiled-default", ROWS, SPLIT, "split-tiles"])
+@pytest.mark.parametrize("route", ["tiled-default", ROWS, SPLIT, "split-one-key", "split-tiles"])
 @pytest.mark.parametrize("block", [8, 16, 32, 64, 128])
 def test_block_sizes(executor, rng, route, block):
     runner, expect = forced(executor, route)
@@ -205,7 +208,8 @@ def test_a_nan_input_makes_the_rows_that_read_it_nan(executor, rng, route):
     assert np.allclose(output[finite], reference[finite], atol=2e-3)
 
 
-@pytest.mark.parametrize("route", [SPLIT, "split-unfused", "split-tiles", "split-merge-pass", "split-per-lane-query", "split-tiles-per-lane-query"])
+@pytest.mark.parametrize("route", [SPLIT, "split-unfused", "split-one-key", "split-tiles", "split-merge-pass", "split-per-lane-query",
+                                   "split-tiles-per-lane-query"])
 def test_decode_with_no_visible_key(executor, rng, route):
     runner, _ = forced(executor, route)
     config = CaseConfig(seq_len=1, past_lengths=(19,), max_cache_len=32, sparse_block_size=8, num_layout=2)
@@ -213,7 +217,7 @@ def test_decode_with_no_visible_key(executor, rng, route):
     check(runner, config, rng, SPLIT, inputs=inputs)
 
 
-@pytest.mark.parametrize("route", [TILED, ROWS, SPLIT, "split-unfused", "split-tiles", "split-merge-pass", "split-per-lane-query"])
+@pytest.mark.parametrize("route", [TILED, ROWS, SPLIT, "split-unfused", "split-one-key", "split-tiles", "split-merge-pass", "split-per-lane-query"])
 def test_f16_cache(executor, rng, route):
     if "shader-f16" not in executor.context.features:
         pytest.fail("the f16 cache needs an adapter with shader-f16 (lavapipe has it)")
@@ -468,6 +472,9 @@ def test_adapter_tuning_routes(executor):
     assert choose_tuning(lavapipe, frozenset({"subgroup"})).attention_route(shape(200)) == ROWS
     assert choose_tuning(lavapipe, frozenset()).attention_route(shape(200)) == TILED  # no shuffles: no rows pass
     assert choose_tuning(lavapipe, frozenset({"subgroup"}), adapter_type="DiscreteGPU").attention_route(shape(200)) == TILED
+    # Split-K decode scores one key per lane group and tile on GPUs, two on CPU adapters.
+    assert h200.decode_split(shape(1, (200,))).keys_per_group == 1
+    assert choose_tuning(lavapipe, frozenset({"subgroup"})).decode_split(shape(1, (200,))).keys_per_group == 2
     default = Tuning(workgroup_storage_bytes=49152)
     assert default.attention_route(shape(200)) == TILED
     assert default.attention_route(shape(200, block=4)) == SIMPLE  # blocks smaller than any tile
@@ -487,7 +494,8 @@ def test_rows_and_tiled_agree_with_simple_on_a_long_prompt(executor, rng):
     assert np.abs(results[ROWS] - results[SIMPLE]).max() < 1e-4
 
 
-@pytest.mark.parametrize("route", [TILED, "tiled-default", "tiled-prepared-query", SPLIT, "split-merge-pass", "split-tiles", ROWS, SIMPLE])
+@pytest.mark.parametrize("route", [TILED, "tiled-default", "tiled-prepared-query", SPLIT, "split-one-key", "split-merge-pass", "split-tiles", ROWS,
+                                   SIMPLE])
 def test_shaders_without_runtime_checks_compute_what_checked_shaders_compute(executor, rng, route):
     # Naga's index clamps and loop counters never act in these kernels (Tuning.shader_runtime_checks),
     # so leaving them out changes no output bit; a kernel that relied on a clamp (an index out of

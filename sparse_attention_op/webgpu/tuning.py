@@ -264,13 +264,18 @@ class Tuning:
     #: 8 lanes per key: a lane group reads 128 contiguous bytes of a key row per load.
     #: H200: 4 and 16 lanes slower in every sweep.
     decode_lanes_per_key: int = 8
-    #: Each lane group scores 2 keys per tile: more loads in flight per invocation.
-    #: H200: 1 and 4 keys slower in every sweep (4: a 128-key tile outgrows the slices).
+    #: Each lane group scores 1 key per tile (32-key tiles). H200 (with Naga's runtime
+    #: checks, 2026-12-02): 1 and 4 keys slower than 2 in every sweep (4: a 128-key tile
+    #: outgrows the slices). H100 without the checks (2026-12-06, shader_runtime_checks; two
+    #: sweeps, per dispatch ms, 2 keys against 1): at history 8191 0.026-0.027 against 0.023
+    #: (f32 cache), 0.020 against 0.018 (f16), the same 0.017 / 0.015 in one pass; at 131000
+    #: 0.191 against 0.187 (f32), 0.108 against 0.111 (f16). The shorter tile's registers
+    #: count for more than its loads in flight. CPU adapters keep 2 (CPU_DECODE_FIELDS).
     #: Tried and not kept (2026-12-02): lane groups that own their keys whole (subgroup
     #: shuffles for the dot products, a softmax per group, no barrier in the key loop) timed
     #: the same as these two-barrier tiles (split pass 0.022 ms at history 8191, 0.138 at
     #: 131000), so the barriers are not what bounds the pass.
-    decode_keys_per_group: int = 2
+    decode_keys_per_group: int = 1
     #: The query loaded, rotated and scaled once per workgroup into workgroup memory, not
     #: once per lane group (32 of them at the defaults, each reading it and its cos/sin
     #: rows). H200 (2026-12-03, per dispatch / one pass, ms): decode at 8191 0.022 / 0.018
@@ -535,5 +540,7 @@ CPU_PREFILL_FIELDS = dict(prefill_pass=ROWS, rows_lanes=8, rows_query_regs=4)
 #: KV-append pass there: lavapipe ran the fused split pass 2-3x slower (decode at 1023:
 #: 62-103 ms against 33-35 ms with the append pass). They keep the merge pass too: a split
 #: pass that merges ran 6-55% slower there (2026-12-02, --quick --rounds 2: 24.0 against
-#: 15.5 ms, f16 cache 16.9 against 15.9).
-CPU_DECODE_FIELDS = dict(decode_target_workgroups=64, decode_fused_append=False, decode_split_merges=False)
+#: 15.5 ms, f16 cache 16.9 against 15.9). And 2 keys per lane group: 1 (the GPUs' choice)
+#: took 76.8 against 34.9 ms at history 1023 and 138.6 against 66.0 at 4095 (f32 cache;
+#: f16 within 2%), 2026-12-06, --quick --rounds 2.
+CPU_DECODE_FIELDS = dict(decode_target_workgroups=64, decode_fused_append=False, decode_split_merges=False, decode_keys_per_group=2)
