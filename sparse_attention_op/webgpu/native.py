@@ -95,8 +95,8 @@ def create_unchecked_shader_module(device, wgsl: str, label: str):
     ``wgpuDeviceCreateShaderModuleTrusted`` with ``WGPUShaderRuntimeChecks_None`` leaves
     both out. Only for WGSL whose indices are in range and whose loops end by construction:
     this package's own templates (Tuning.shader_runtime_checks says why they qualify).
-    Storage buffer accesses stay guarded by the driver's robust buffer access, which wgpu
-    enables on the device itself. Raises like wgpu-py's ``create_shader_module``.
+    On Vulkan, storage buffer accesses stay guarded by the driver: wgpu enables the device's
+    robustBufferAccess wherever the driver offers it (NVIDIA's and lavapipe do). Raises like wgpu-py's ``create_shader_module``.
     """
     code = wgsl.encode()
     code_chars = ffi.new("char[]", code)

@@ -335,8 +335,8 @@ class Tuning:
     #: by the workgroup size, and loop over constant counts or over key and chunk counts
     #: bounded by the call's uniforms, so the checks can never act; every route is tested
     #: with them off against the reference, and bit for bit against the checked shaders
-    #: (tests/test_kernels.py). Storage buffers stay guarded by the driver either way. On
-    #: where wgpu-native lacks the unchecked path; SAO_SHADER_CHECKS=1 turns it on anyway.
+    #: (tests/test_kernels.py). Storage buffers stay guarded by Vulkan's robustBufferAccess.
+    #: The checks stay where wgpu-native lacks the unchecked path; SAO_SHADER_CHECKS=1 keeps them.
     #: H100 (2026-12-06, one sweep, GPU ms, checked / unchecked): prefill 1024 / 4096 / 8192
     #: 0.478 / 0.414, 3.511 / 3.056, 9.011 / 7.906 (19.9 -> 22.7 TFLOP/s of selected work);
     #: decode at 8191 0.027 / 0.027 (f32 cache), 0.023 / 0.020 (f16).
