@@ -1,14 +1,16 @@
 """wgpu-native's functions as wgpu-py binds them, for the hot paths that call them directly.
 
 Two paths of every call go around wgpu-py's Python classes: buffer maps (mapping.py) and
-the recording of a call's commands (recording.py). One path of compiling goes around them
-too: shader modules without Naga's runtime checks (:func:`create_unchecked_shader_module`). Both call wgpu-native's functions
+the recording of a call's commands (recording.py). Both call wgpu-native's functions
 (``lib``) inside one :class:`ErrorCapture` each: the errors wgpu-native reports meanwhile
 raise as a ``wgpu.GPUError``, as wgpu-py's own methods (and its per-function wrappers,
 ``libf``) would raise them, at a cost of one capture per map or recording instead of one
 per function (a decode step makes about 25 such calls). Where this wgpu version lacks these
 internals, both paths fall back to wgpu-py's public API; an environment variable set to
 ``public`` chooses the fallback anyway, for measuring the two against each other.
+
+Compiling goes around them once too: shader modules without Naga's runtime checks
+(:func:`create_unchecked_shader_module`, for the pipeline cache).
 """
 
 from __future__ import annotations
@@ -96,7 +98,8 @@ def create_unchecked_shader_module(device, wgsl: str, label: str):
     both out. Only for WGSL whose indices are in range and whose loops end by construction:
     this package's own templates (Tuning.shader_runtime_checks says why they qualify).
     On Vulkan, storage buffer accesses stay guarded by the driver: wgpu enables the device's
-    robustBufferAccess wherever the driver offers it (NVIDIA's and lavapipe do). Raises like wgpu-py's ``create_shader_module``.
+    robustBufferAccess wherever the driver offers it (NVIDIA's and lavapipe do).
+    Raises as wgpu-py's ``create_shader_module`` does.
     """
     code = wgsl.encode()
     code_chars = ffi.new("char[]", code)

@@ -198,8 +198,9 @@ class Tuning:
     #: invocations numbered so that a warp covers 4 x 8 or 8 x 4 of them (rows x key columns)
     #: instead of 2 x 16, so that its K and V reads of workgroup memory touch 8 or 4 distinct
     #: vec4s, not 16: 3% slower with Naga's runtime checks, 1% without (3.044 against 3.021
-    #: ms at 4096). Without the checks (shader_runtime_checks), at 4096: 8 x 4 3.66, depth 16
-    #: 3.14, V chunks of 64 3.18 ms against 3.02.
+    #: ms at 4096). Without the checks (shader_runtime_checks), at 4096: register blocks of
+    #: 8 x 4 3.66, 4 x 8 3.56, depth chunks of 16 3.14, V chunks of 64 3.18 ms against 3.02
+    #: (the attention pass).
     prefill_query_regs: int = 4
     prefill_key_regs: int = 4
     #: Head vec4s per Q/K staging step: (TQ + TK) x 8 vec4 = 18 KiB with padding, two
