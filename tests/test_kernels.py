@@ -500,17 +500,17 @@ def test_shaders_without_runtime_checks_compute_what_checked_shaders_compute(exe
     # Naga's index clamps and loop counters never act in these kernels (Tuning.shader_runtime_checks),
     # so leaving them out changes no output bit; a kernel that relied on a clamp (an index out of
     # range) would differ here, or fail the reference.
-    fields, expect = ROUTES[route], next((r for r in (TILED, SPLIT) if route.startswith(r)), route)
-    unchecked, checked = executor_for(executor, fields), executor_for(executor, dict(fields, shader_runtime_checks=True))
+    unchecked, expect = forced(executor, route)
+    checked = executor_for(executor, dict(ROUTES[route], shader_runtime_checks=True))
     assert checked.pipelines.runtime_checks and unchecked.pipelines.runtime_checks == (not native.UNCHECKED_SHADERS)
     config = CaseConfig(seq_len=1 if expect == SPLIT else 37, past_lengths=(45,), max_cache_len=96, sparse_block_size=16, head_size=32,
                         num_heads=4, kv_num_heads=2, local_blocks=2, vert_stride=2, do_rotary=True)
-    outputs = check(unchecked, config, rng, expect)
-    inputs = random_inputs(config, np.random.default_rng(7))
+    inputs = random_inputs(config, rng)
+    outputs = check(unchecked, config, rng, expect, inputs=inputs)
     expected = run_executor(checked, inputs, config.node_attributes(), "checked")
-    for got, want in zip(run_executor(unchecked, inputs, config.node_attributes(), "unchecked"), expected):
-        np.testing.assert_array_equal(got, want)
     assert len(outputs) == len(expected)
+    for got, want in zip(outputs, expected):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_unchecked_shader_modules_report_wgsl_errors_as_checked_ones_do(executor):

@@ -20,11 +20,11 @@ import os
 import wgpu
 
 try:  # wgpu-py's native backend: its cffi handle, the library functions it binds, its error sink.
-    from wgpu.backends.wgpu_native._api import GPUShaderModule, error_handler, libf
+    from wgpu.backends.wgpu_native._api import GPUShaderModule, error_handler, libf, new_struct_p, to_c_string_view
     from wgpu.backends.wgpu_native._ffi import ffi, lib
     from wgpu.backends.wgpu_native._helpers import ERROR_TYPES
 except ImportError:  # pragma: no cover - another wgpu version
-    libf = ffi = lib = error_handler = GPUShaderModule = None
+    libf = ffi = lib = error_handler = GPUShaderModule = new_struct_p = to_c_string_view = None
     ERROR_TYPES = {}
 
 #: The internals the direct paths use, wgpu-py's error sink's capture stack included.
@@ -101,19 +101,13 @@ def create_unchecked_shader_module(device, wgsl: str, label: str):
     robustBufferAccess wherever the driver offers it (NVIDIA's and lavapipe do).
     Raises as wgpu-py's ``create_shader_module`` does.
     """
-    code = wgsl.encode()
-    code_chars = ffi.new("char[]", code)
-    name = label.encode()
-    name_chars = ffi.new("char[]", name)
-    source = ffi.new("WGPUShaderSourceWGSL *")
-    source.chain.next = ffi.NULL
-    source.chain.sType = lib.WGPUSType_ShaderSourceWGSL
-    source.code.data = code_chars
-    source.code.length = len(code)
-    descriptor = ffi.new("WGPUShaderModuleDescriptor *")
-    descriptor.nextInChain = ffi.cast("WGPUChainedStruct *", source)
-    descriptor.label.data = name_chars
-    descriptor.label.length = len(name)
+    # The descriptor as wgpu-py's create_shader_module builds it (its helpers keep the
+    # strings alive with the structs); `source` must outlive the call, which reads it by pointer.
+    source = new_struct_p("WGPUShaderSourceWGSL *", code=to_c_string_view(wgsl))
+    source[0].chain.next = ffi.NULL
+    source[0].chain.sType = lib.WGPUSType_ShaderSourceWGSL
+    descriptor = new_struct_p("WGPUShaderModuleDescriptor *", nextInChain=ffi.cast("WGPUChainedStruct *", source),
+                              label=to_c_string_view(label))
     # libf raises wgpu-native's validation errors (a WGSL error) as wgpu-py's own call would.
     handle = libf.wgpuDeviceCreateShaderModuleTrusted(device._internal, descriptor, lib.WGPUShaderRuntimeChecks_None)
     if handle == ffi.NULL:
