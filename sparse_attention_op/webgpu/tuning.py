@@ -341,6 +341,8 @@ class Tuning:
     #: H100 (2026-12-06, one sweep, GPU ms, checked / unchecked): prefill 1024 / 4096 / 8192
     #: 0.478 / 0.414, 3.511 / 3.056, 9.011 / 7.906 (19.9 -> 22.7 TFLOP/s of selected work);
     #: decode at 8191 0.027 / 0.027 (f32 cache), 0.023 / 0.020 (f16).
+    #: H200 (2026-12-06, same sweep): prefill 0.478 / 0.414, 3.502 / 3.046, 8.994 / 7.889;
+    #: decode at 8191 0.024 / 0.020 (f32), 0.022 / 0.017 (f16); at 131000 0.139 / 0.132, 0.120 / 0.093.
     shader_runtime_checks: bool = False
 
     # -- the host's waits ----------------------------------------------------------------
