@@ -335,8 +335,10 @@ class Tuning:
     #: templates index their workgroup arrays through constants and invocation ids bounded
     #: by the workgroup size, and loop over constant counts or over key and chunk counts
     #: bounded by the call's uniforms, so the checks can never act; every route is tested
-    #: with them off against the reference, and bit for bit against the checked shaders
-    #: (tests/test_kernels.py). Storage buffers stay guarded by Vulkan's robustBufferAccess.
+    #: with them off against the reference, and against the checked shaders to float32
+    #: rounding (bit for bit on lavapipe; NVIDIA's driver contracts multiply-adds differently
+    #: from one build to the next: tests/test_kernels.py). Storage buffers stay guarded by
+    #: Vulkan's robustBufferAccess.
     #: The checks stay where wgpu-native lacks the unchecked path; SAO_SHADER_CHECKS=1 keeps them.
     #: H100 (2026-12-06, one sweep, GPU ms, checked / unchecked): prefill 1024 / 4096 / 8192
     #: 0.478 / 0.414, 3.511 / 3.056, 9.011 / 7.906 (19.9 -> 22.7 TFLOP/s of selected work);
