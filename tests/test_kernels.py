@@ -69,6 +69,16 @@ def executor_for(base, fields: dict) -> WebGPUExecutor:
     return _executors[tuning]
 
 
+def assert_same_arithmetic(executor, got, want, what=""):
+    """Two builds of the same arithmetic agree: bit for bit on CPU adapters (lavapipe), within
+    float32 ulps on GPUs, whose drivers may contract multiply-adds into FMAs differently in
+    each build (SPIR-V allows it and Naga marks nothing NoContraction; the H200 did so)."""
+    if executor.context.adapter_type == "CPU":
+        np.testing.assert_array_equal(got, want, err_msg=what)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=what)
+
+
 def check(executor, config, rng, expect_route, past=None, node_key="kernels", tol=2e-3, float16_storage=False, inputs=None):
     """One call through ``executor``, which must take ``expect_route``, against the reference."""
     if inputs is None:
@@ -299,8 +309,8 @@ def test_split_k_with_more_slices_than_keys(executor, rng, merges):
 @pytest.mark.parametrize("rotary", [dict(do_rotary=True), dict(do_rotary=True, rotary_interleaved=True), dict()], ids=["rotary", "interleaved", "none"])
 def test_a_query_shared_in_workgroup_memory_equals_per_lane_queries(executor, rng, rotary):
     # The same rotate() of the same rows, by one invocation instead of every lane group:
-    # equal outputs (bit for bit on lavapipe; a tolerance of float32 ulps, since another
-    # driver may contract the rotation's multiply-adds differently in the two places).
+    # equal outputs (assert_same_arithmetic: a driver may contract the rotation's
+    # multiply-adds differently in the two places).
     # Head size 64: 16 query vec4s, more than one per lane and more than lavapipe's SIMD
     # width, so lanes read vec4s other invocations wrote (a missing barrier shows).
     config = CaseConfig(batch=2, seq_len=1, past_lengths=(120, 33), max_cache_len=128, sparse_block_size=16, head_size=64, **rotary)
@@ -314,7 +324,7 @@ def test_a_query_shared_in_workgroup_memory_equals_per_lane_queries(executor, rn
         inputs = random_inputs(config, rng)
         expected = run_executor(per_lane, inputs, config.node_attributes(), "per-lane")[0]
         output = run_executor(shared, inputs, config.node_attributes(), "shared")[0]
-        np.testing.assert_allclose(output, expected, rtol=1e-6, atol=1e-6, err_msg=f"call {call}")
+        assert_same_arithmetic(per_lane, output, expected, what=f"call {call}")
 
 
 def test_a_split_pass_that_merges_equals_the_merge_pass_call_after_call(executor, rng):
@@ -498,11 +508,10 @@ def test_rows_and_tiled_agree_with_simple_on_a_long_prompt(executor, rng):
                                    SIMPLE])
 def test_shaders_without_runtime_checks_compute_what_checked_shaders_compute(executor, rng, route):
     # Naga's index clamps and loop counters never act in these kernels (Tuning.shader_runtime_checks),
-    # so leaving them out changes nothing but rounding: bit for bit on lavapipe, float32 ulps on
-    # NVIDIA's driver, which contracts multiply-adds into FMAs as it likes in each build (SPIR-V
-    # allows it; the H200 differed by 7e-7 relative in split-tiles' merge). A clamp that acted
-    # (an index out of range) would read another element: a difference of the inputs' unit
-    # scale here, or a failed reference.
+    # so leaving them out changes nothing but where the driver contracts multiply-adds
+    # (assert_same_arithmetic; the H200 differed by 7e-7 relative in split-tiles' merge). A
+    # clamp that acted (an index out of range) would read another element: a difference of
+    # the inputs' unit scale here, or a failed reference.
     unchecked, expect = forced(executor, route)
     checked = executor_for(executor, dict(ROUTES[route], shader_runtime_checks=True))
     assert checked.pipelines.runtime_checks and unchecked.pipelines.runtime_checks == (not native.UNCHECKED_SHADERS)
@@ -513,7 +522,7 @@ def test_shaders_without_runtime_checks_compute_what_checked_shaders_compute(exe
     expected = run_executor(checked, inputs, config.node_attributes(), "checked")
     assert len(outputs) == len(expected)
     for got, want in zip(outputs, expected):
-        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        assert_same_arithmetic(unchecked, got, want)
 
 
 def test_unchecked_shader_modules_report_wgsl_errors_as_checked_ones_do(executor):
