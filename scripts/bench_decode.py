@@ -48,14 +48,14 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import onnxruntime as ort
 
-from sparse_attention_op.arguments import positive
+from sparse_attention_op.cli.arguments import positive
 from sparse_attention_op.benchmarking.clocks import SmClock, median_mhz, sm_clock
 from sparse_attention_op.benchmarking.common import PHI3_SMALL, identity_floor_session, median_seconds
 from sparse_attention_op.benchmarking.host_speed import HostProbe, median_us
 
 import sparse_attention_op as sao
-from sparse_attention_op.graphs import sparse_attention_model
-from sparse_attention_op.inputs import CaseConfig, random_inputs
+from sparse_attention_op.testing.graphs import sparse_attention_model
+from sparse_attention_op.testing.inputs import CaseConfig, random_inputs
 from sparse_attention_op.webgpu import get_executor
 
 CONSTANTS = ("block_row_indices", "block_col_indices", "cos_cache", "sin_cache")

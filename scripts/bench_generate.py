@@ -32,8 +32,8 @@ import numpy as np
 import onnxruntime as ort
 
 import sparse_attention_op as sao
-from sparse_attention_op.decoder_models import DecoderConfig, build_decoder
-from sparse_attention_op.generation import divergences, generate
+from sparse_attention_op.testing.decoder_models import DecoderConfig, build_decoder
+from sparse_attention_op.generation.loop import divergences, generate
 from sparse_attention_op.webgpu import get_context
 
 MODELS = Path(__file__).resolve().parent.parent / "models"

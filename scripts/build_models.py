@@ -5,7 +5,7 @@
     python scripts/build_models.py --check    # exit 1 if a committed file differs from a fresh build
 
 Each folder is a complete ORT GenAI model folder in the convention of
-sparse_attention_op.decoder_models (Phi-3-small's structure, scaled down; fixed random
+sparse_attention_op.testing.decoder_models (Phi-3-small's structure, scaled down; fixed random
 weights). The builds are deterministic, so ``--check`` (and tests/test_models.py) catch a
 change of the builder that the committed files do not reflect.
 """
@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from sparse_attention_op.decoder_models import BUNDLED_MODELS, genai_config_text, model_bytes
+from sparse_attention_op.testing.decoder_models import BUNDLED_MODELS, genai_config_text, model_bytes
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 

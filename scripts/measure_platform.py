@@ -36,7 +36,7 @@ import time
 
 import numpy as np
 
-from sparse_attention_op.arguments import positive
+from sparse_attention_op.cli.arguments import positive
 
 
 def median_us(function, reps: int = 200) -> float:
@@ -220,7 +220,7 @@ def measure_copies(capacities) -> None:
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
-    from sparse_attention_op.presents import copy_past
+    from sparse_attention_op.ort.presents import copy_past
 
     print(f"\n### A cache (1, 8, capacity, 128) float32 copied\n\n| copy | us (median) | note |\n|---|---|---|")
     f32 = TensorProto.FLOAT
@@ -244,8 +244,9 @@ def measure_bridge() -> None:
     from onnx import TensorProto, helper
     from onnxruntime_extensions import get_library_path
 
-    from sparse_attention_op import _ortx_compat, custom_op
-    from sparse_attention_op.session import session_options
+    from sparse_attention_op.ort import extensions as _ortx_compat
+    from sparse_attention_op.ort import custom_op
+    from sparse_attention_op.ort.session import session_options
 
     for count in (1, 11):
         name = f"SaoMeasureBridge{count}"

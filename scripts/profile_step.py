@@ -26,14 +26,14 @@ import time
 
 import onnxruntime as ort
 
-from sparse_attention_op.arguments import non_negative, positive
+from sparse_attention_op.cli.arguments import non_negative, positive
 from sparse_attention_op.benchmarking.common import PHI3_SMALL
 from sparse_attention_op.benchmarking.host_speed import HostProbe
 from bench_decode import Decoder, model_for, node_stats
 
 import sparse_attention_op as sao
-from sparse_attention_op.inputs import CaseConfig, random_inputs
-from sparse_attention_op.session import session_options
+from sparse_attention_op.testing.inputs import CaseConfig, random_inputs
+from sparse_attention_op.ort.session import session_options
 
 
 class Prompter:
@@ -107,7 +107,7 @@ def timeline(kv_check: str, way: str, capacity: int, history: int, steps: int, r
     bridge's op, from clock marks at the entry and exit of its Python body (bridge._compute,
     wrapped). Before it: ORT's run set-up and the custom op's call into Python; after it:
     the return into ORT and ORT's end of the run."""
-    from sparse_attention_op import bridge
+    from sparse_attention_op.ort import bridge
 
     marks = []
     body = bridge._compute

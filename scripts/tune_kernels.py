@@ -41,13 +41,13 @@ import jinja2
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sparse_attention_op.arguments import positive  # noqa: E402
+from sparse_attention_op.cli.arguments import positive  # noqa: E402
 from sparse_attention_op.benchmarking.clocks import median_mhz, sm_clock  # noqa: E402
 from sparse_attention_op.benchmarking.common import PHI3_SMALL, spot_check  # noqa: E402
 
-from sparse_attention_op.inputs import CaseConfig, random_inputs  # noqa: E402
-from sparse_attention_op.reference import apply_rotary, block_mask  # noqa: E402
-from sparse_attention_op.spec import OpAttributes, build_call  # noqa: E402
+from sparse_attention_op.testing.inputs import CaseConfig, random_inputs  # noqa: E402
+from sparse_attention_op.op.reference import apply_rotary, block_mask  # noqa: E402
+from sparse_attention_op.op.spec import OpAttributes, build_call  # noqa: E402
 from sparse_attention_op.webgpu import get_executor, kernels  # noqa: E402
 from sparse_attention_op.webgpu.executor import ExecutionSettings, WebGPUExecutor  # noqa: E402
 from sparse_attention_op.webgpu.programs import Binding, Dispatch, Program, _environment  # noqa: E402

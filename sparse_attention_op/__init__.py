@@ -9,14 +9,14 @@ Data flows one way: ORT -> bridge (a custom op handed ORT's own tensors, no copy
 never touches the GPU and the executor never parses ONNX.
 """
 
-from .bridge import register
-from .genai import load_genai_model, prepare_genai_folder
-from .generation import GenerationError, GenerationResult, Sampling, generate
-from .io_binding import bind_shared
-from .model import prepare_model
-from .session import SparseAttentionSession, create_session
-from .spec import SparseAttentionError, SparseAttentionInputError
-from .webgpu.executor import GpuExecutionError
+from sparse_attention_op.ort.bridge import register
+from sparse_attention_op.generation.genai import load_genai_model, prepare_genai_folder
+from sparse_attention_op.generation.loop import GenerationError, GenerationResult, Sampling, generate
+from sparse_attention_op.ort.io_binding import bind_shared
+from sparse_attention_op.ort.model import prepare_model
+from sparse_attention_op.ort.session import SparseAttentionSession, create_session, session_options
+from sparse_attention_op.op.spec import SparseAttentionError, SparseAttentionInputError
+from sparse_attention_op.webgpu.executor import GpuExecutionError
 
 __all__ = [
     "GenerationError",
@@ -33,5 +33,6 @@ __all__ = [
     "prepare_genai_folder",
     "prepare_model",
     "register",
+    "session_options",
 ]
 __version__ = "0.2.0"

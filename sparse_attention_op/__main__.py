@@ -1,5 +1,5 @@
 import sys
 
-from .cli import main
+from sparse_attention_op.cli import main
 
 sys.exit(main())

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from sparse_attention_op.block_plan import DENSE_ROW, BlockPlanCache, build_block_plan
-from sparse_attention_op.layouts import causal_mask, mask_to_csr, phi3_small_mask
-from sparse_attention_op.reference import block_mask
+from sparse_attention_op.op.block_plan import DENSE_ROW, BlockPlanCache, build_block_plan
+from sparse_attention_op.op.layouts import causal_mask, mask_to_csr, phi3_small_mask
+from sparse_attention_op.op.reference import block_mask
 
 
 def plan_mask(plan):

@@ -15,8 +15,8 @@ import numpy as np
 import onnx
 import pytest
 
-from sparse_attention_op import cli
-from sparse_attention_op.generation import generate
+from sparse_attention_op.cli import parser as cli
+from sparse_attention_op.generation.loop import generate
 
 pytestmark = pytest.mark.gpu
 

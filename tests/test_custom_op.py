@@ -6,9 +6,10 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from sparse_attention_op import _ortx_compat, custom_op
-from sparse_attention_op.custom_op import FLOAT, INT64, OpDeclaration, Slot
-from sparse_attention_op.session import session_options
+from sparse_attention_op.ort import extensions as _ortx_compat
+from sparse_attention_op.ort import custom_op
+from sparse_attention_op.ort.custom_op import FLOAT, INT64, OpDeclaration, Slot
+from sparse_attention_op.ort.session import session_options
 
 
 def define(name, inputs, outputs, compute, create=lambda attributes, constants: (attributes, constants), attributes=()):
@@ -157,7 +158,7 @@ def test_an_ort_that_cannot_be_named_gets_the_five_calls():
     # read only up to the slots every supported ORT has.
     import ctypes
 
-    from sparse_attention_op.ort_versions import _parse, ort_version_at
+    from sparse_attention_op.ort.versions import _parse, ort_version_at
 
     assert ort_version_at(ctypes.addressof(ctypes.c_int64())) is None
     assert _parse("1.32.0") == (1, 32) and _parse("1.24.0.dev20260101") == (1, 24) and _parse("unknown") is None

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from helpers import assert_matches_reference, run_executor
-from sparse_attention_op.inputs import CaseConfig, random_inputs
-from sparse_attention_op.reference import sparse_attention_reference
+from sparse_attention_op.testing.inputs import CaseConfig, random_inputs
+from sparse_attention_op.op.reference import sparse_attention_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -133,7 +133,7 @@ def test_unit_scale_inputs_give_peaked_softmax(rng):
 def test_float16_rounding_of_rotated_keys_matches_numpy(executor, rng):
     # Keys spanning float16's normal and subnormal ranges, and ties: the GPU rounding of
     # float16-storage nodes must be numpy's (ties to even), bit for bit.
-    from sparse_attention_op.spec import OpAttributes, build_call
+    from sparse_attention_op.op.spec import OpAttributes, build_call
 
     config = CaseConfig(seq_len=1, past_lengths=(3,), head_size=32, do_rotary=True, max_cache_len=16)
     inputs = random_inputs(config, rng)

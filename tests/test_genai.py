@@ -26,9 +26,9 @@ import pytest
 from onnxruntime_extensions import get_library_path
 
 import sparse_attention_op as sao
-from sparse_attention_op import genai as genai_module
-from sparse_attention_op.bridge import BRIDGE_DOMAIN, BRIDGE_FORMAT, KV_CHECK_ATTRIBUTE
-from sparse_attention_op.decoder_models import DecoderConfig, write_model_folder
+from sparse_attention_op.generation import genai as genai_module
+from sparse_attention_op.ort.bridge import BRIDGE_DOMAIN, BRIDGE_FORMAT, KV_CHECK_ATTRIBUTE
+from sparse_attention_op.testing.decoder_models import DecoderConfig, write_model_folder
 
 # Three layers, the last a dense GroupQueryAttention one (Phi-3-small's mix); blocks of 16
 # with 2 local blocks and a stride of 2, so sparsity bites from 32 tokens on.
@@ -140,7 +140,7 @@ def test_genai_tokens_match_ort_cpu_kernel(og, prepared, prompts, ort_kernel_tok
 
 def test_genai_tokens_match_generate(source, prompts, ort_kernel_tokens):
     """sparse_attention_op.generate, on this op and on ORT's kernel in a plain session, gives GenAI's tokens."""
-    from sparse_attention_op.generation import generate
+    from sparse_attention_op.generation.loop import generate
 
     plain = ort.InferenceSession(str(source / "model.onnx"), providers=["CPUExecutionProvider"])
     for label, model, options in (("ORT's kernel in a plain session", plain, {}), ("this op", source / "model.onnx", {"kv_check": "fast"})):
@@ -250,7 +250,7 @@ def test_refused_call_under_plain_session_raises_and_logs(source):
         """
         import sys, numpy as np, onnxruntime as ort
         import sparse_attention_op as sao
-        from sparse_attention_op.session import session_options
+        from sparse_attention_op.ort.session import session_options
         path = sys.argv[1]
         feeds = {"input_ids": np.arange(2, 6, dtype=np.int64)[None], "attention_mask": np.ones((1, 4), np.int64)}
         for i in range(3):  # a zero-length past: no room for the prompt
@@ -398,7 +398,7 @@ def test_load_refuses_a_folder_of_another_bridge_format(prepared, tmp_path):
 @pytest.mark.parametrize("name", ["phi3-small-tiny", "phi3-small-tiny-f16"])
 def test_bundled_models_under_genai(og, name, tmp_path):
     """models/ as GenAI folders: float32 and float16, four layers (two of them GroupQueryAttention)."""
-    from sparse_attention_op.generation import divergences, generate
+    from sparse_attention_op.generation.loop import divergences, generate
 
     source = Path(__file__).resolve().parent.parent / "models" / name
     prepared = sao.prepare_genai_folder(source, tmp_path / "prepared")

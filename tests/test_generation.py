@@ -15,10 +15,10 @@ import onnxruntime as ort
 import pytest
 
 import sparse_attention_op as sao
-from sparse_attention_op.decoder_models import decoder_reference
-from sparse_attention_op.generation import GenerationError, Sampling, _DecoderIO, _Loop, divergences, generate, prompt_logits
-from sparse_attention_op.graphs import sparse_attention_model
-from sparse_attention_op.inputs import CaseConfig, random_inputs
+from sparse_attention_op.testing.decoder_models import decoder_reference
+from sparse_attention_op.generation.loop import GenerationError, Sampling, _DecoderIO, _Loop, divergences, generate, prompt_logits
+from sparse_attention_op.testing.graphs import sparse_attention_model
+from sparse_attention_op.testing.inputs import CaseConfig, random_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -221,7 +221,7 @@ def test_symbolic_cache_dims_int32_ids_and_position_ids(rng, tmp_path, capsys):
     are symbolic, a position_ids input. generate reads the dims from the graph's attention nodes."""
     from onnx import TensorProto, helper
 
-    from sparse_attention_op import cli
+    from sparse_attention_op.cli import parser as cli
 
     path = MODELS / "phi3-small-tiny" / "model.onnx"
     model = onnx.load(str(path))

@@ -10,9 +10,9 @@ import pytest
 import wgpu
 
 from helpers import assert_matches_reference, run_executor
-from sparse_attention_op.inputs import CaseConfig, random_inputs
-from sparse_attention_op.reference import sparse_attention_reference
-from sparse_attention_op.spec import OpAttributes, build_call
+from sparse_attention_op.testing.inputs import CaseConfig, random_inputs
+from sparse_attention_op.op.reference import sparse_attention_reference
+from sparse_attention_op.op.spec import OpAttributes, build_call
 from sparse_attention_op.webgpu import kernels, native
 from sparse_attention_op.webgpu.executor import WebGPUExecutor
 from sparse_attention_op.webgpu.programs import BufferRange

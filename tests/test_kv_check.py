@@ -17,10 +17,10 @@ import pytest
 
 import sparse_attention_op as sao
 from helpers import assert_close, assert_matches_reference, run_in_threads
-from sparse_attention_op.cache_record import RECORD_FRACTION, chunk_rows_for, probe_rows
-from sparse_attention_op.graphs import sparse_attention_model
-from sparse_attention_op.inputs import CaseConfig, random_inputs
-from sparse_attention_op.reference import sparse_attention_reference
+from sparse_attention_op.webgpu.cache_record import RECORD_FRACTION, chunk_rows_for, probe_rows
+from sparse_attention_op.testing.graphs import sparse_attention_model
+from sparse_attention_op.testing.inputs import CaseConfig, random_inputs
+from sparse_attention_op.op.reference import sparse_attention_reference
 from sparse_attention_op import GpuExecutionError
 
 pytestmark = pytest.mark.gpu
@@ -345,7 +345,7 @@ def test_a_replayed_step_whose_probes_differ_runs_once_more_after_the_exact_chec
     row) is run again at once after the exact check, once, as the general call's fast check
     does: the presents' rows and the past's copy are written once, and the record learns
     the row once."""
-    from sparse_attention_op import presents
+    from sparse_attention_op.ort import presents
     from sparse_attention_op.webgpu.executor import WebGPUExecutor
 
     generation = Generation(new_session(rng, "fast"), rng, "plain")
@@ -367,7 +367,7 @@ def test_a_replayed_step_whose_probes_differ_runs_once_more_after_the_exact_chec
 
     with monkeypatch.context() as patch:
         patch.setattr(WebGPUExecutor, "_execute", spy_execute)
-        patch.setattr("sparse_attention_op.bridge.copy_past", spy_copy_past)
+        patch.setattr("sparse_attention_op.ort.bridge.copy_past", spy_copy_past)
         stats = generation.step()  # against the reference of the edited past
     assert stats.probes_differed and not stats.replayed and 0 < stats.history_rows_uploaded
     assert executed == [False], "after the replay, one call with the exact check"
@@ -380,7 +380,7 @@ def test_a_plain_session_over_a_prepared_model_replays_too(executor, rng, monkey
     """ORT GenAI runs prepared models in sessions of its own, whose nodes run under the
     default settings: its decode steps replay as create_session's do (a spy on the
     executor's replay counts the calls it served)."""
-    from sparse_attention_op.session import session_options
+    from sparse_attention_op.ort.session import session_options
     from sparse_attention_op.webgpu.executor import WebGPUExecutor
 
     served, replay = [], WebGPUExecutor.replay
@@ -575,11 +575,11 @@ def test_wrongly_bound_output_raises_before_any_gpu_work(executor, rng, wrong):
 def test_refused_call_under_a_plain_session_raises_and_logs(executor, rng, caplog):
     model = sparse_attention_model(CONFIG.node_attributes(), random_inputs(CONFIG, rng), constants=LAYOUT)
     sao.register()
-    session = ort.InferenceSession(sao.prepare_model(model).SerializeToString(), sao.session.session_options(), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(sao.prepare_model(model).SerializeToString(), sao.session_options(), providers=["CPUExecutionProvider"])
     inputs = random_inputs(CONFIG, rng)
     feeds = {i.name: inputs[i.name] for i in session.get_inputs()}
     feeds["key_total_sequence_lengths"] = np.array([99, 6, 6], np.int32)
-    with caplog.at_level(logging.ERROR, logger="sparse_attention_op.bridge"):
+    with caplog.at_level(logging.ERROR, logger="sparse_attention_op.ort.bridge"):
         with pytest.raises(Exception):
             session.run(None, feeds)
     assert any("key_total_sequence_lengths" in r.getMessage() and "sparse_attention" in r.getMessage() for r in caplog.records)
@@ -591,7 +591,7 @@ def test_uploads_through_the_staging_buffer(executor, rng, monkeypatch, kv_check
     # Large uploads (a prefill, a long history) go through kept staging buffers filled with
     # parallel copies, and large transfers both ways move in chunks; force both on small
     # calls (whole, and in chunks of 1 KiB), over a restart and a reorder.
-    from sparse_attention_op import host_threads
+    from sparse_attention_op.webgpu import host_threads
     from sparse_attention_op.webgpu import buffers
 
     monkeypatch.setattr(buffers, "STAGING_BYTES", 0)
@@ -627,7 +627,7 @@ def test_record_fast_paths_equal_the_general_ones(rng, head_size, itemsize, batc
     """Whole-chunk digests, one-row appends (digested at once, or kept back and digested
     together later) and the probe list: the decode step's short cuts give what the general
     code gives (a wrong short cut would pass the fast check wrongly)."""
-    from sparse_attention_op.cache_record import LAST_ROWS, SPREAD_ROWS, CacheRecord
+    from sparse_attention_op.webgpu.cache_record import LAST_ROWS, SPREAD_ROWS, CacheRecord
 
     heads = 2
     general = CacheRecord(batch, heads, head_size, itemsize, max_rows=8192)

@@ -13,7 +13,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from sparse_attention_op.decoder_models import BUNDLED_MODELS, DecoderConfig, build_decoder, decoder_reference, genai_config
+from sparse_attention_op.testing.decoder_models import BUNDLED_MODELS, DecoderConfig, build_decoder, decoder_reference, genai_config
 
 REPO = Path(__file__).resolve().parent.parent
 

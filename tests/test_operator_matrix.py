@@ -8,8 +8,8 @@ import pytest
 
 import sparse_attention_op as sao
 from helpers import assert_matches_reference
-from sparse_attention_op.graphs import sparse_attention_model
-from sparse_attention_op.inputs import CaseConfig, random_inputs
+from sparse_attention_op.testing.graphs import sparse_attention_model
+from sparse_attention_op.testing.inputs import CaseConfig, random_inputs
 
 ROTARY = {
     "none": dict(do_rotary=False),

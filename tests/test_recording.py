@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import wgpu
 
-from sparse_attention_op.inputs import CaseConfig
+from sparse_attention_op.testing.inputs import CaseConfig
 from sparse_attention_op.webgpu import get_executor, recording
 from sparse_attention_op.webgpu.executor import Launch
 from sparse_attention_op.webgpu.mapping import mapped
@@ -76,7 +76,7 @@ def test_calls_give_the_same_results_through_wgpu_py(monkeypatch, executor, rng)
 def test_profiled_calls_time_every_dispatch_and_keep_their_results(executor, rng):
     """profile=True records through wgpu-py with one timed pass per dispatch."""
     from helpers import assert_matches_reference, run_executor
-    from sparse_attention_op.inputs import random_inputs
+    from sparse_attention_op.testing.inputs import random_inputs
 
     if "timestamp-query" not in executor.context.features:
         pytest.skip("the adapter has no timestamp queries")
@@ -115,8 +115,8 @@ def test_an_abandoned_recording_reports_its_own_fault_and_frees_its_temporaries(
     monkeypatch.setattr(recording.NativeRecording, "compute_pass", lambda self, launches: (_ for _ in ()).throw(KeyError("host fault")))
     config = CaseConfig(batch=1, seq_len=1, num_heads=2, kv_num_heads=1, head_size=16, max_cache_len=32, sparse_block_size=8,
                         num_layout=1, past_lengths=(4,))
-    from sparse_attention_op.inputs import random_inputs
-    from sparse_attention_op.spec import OpAttributes, build_call
+    from sparse_attention_op.testing.inputs import random_inputs
+    from sparse_attention_op.op.spec import OpAttributes, build_call
 
     call = build_call(random_inputs(config, np.random.default_rng(0)), OpAttributes.from_mapping(config.node_attributes()))
     with pytest.raises(KeyError):

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from helpers import assert_close, run_ort_cpu
-from sparse_attention_op.graphs import sparse_attention_model
-from sparse_attention_op.inputs import CaseConfig, random_inputs
-from sparse_attention_op.reference import apply_rotary, block_mask, sparse_attention_reference
+from sparse_attention_op.testing.graphs import sparse_attention_model
+from sparse_attention_op.testing.inputs import CaseConfig, random_inputs
+from sparse_attention_op.op.reference import apply_rotary, block_mask, sparse_attention_reference
 
 
 def test_dense_count_layout_is_causal_whatever_its_columns():

@@ -11,11 +11,11 @@ from onnxruntime_extensions import get_library_path
 
 import sparse_attention_op as sao
 from helpers import assert_close, assert_matches_reference, graph_feeds, run_in_threads, run_ort_cpu
-from sparse_attention_op.bridge import BRIDGE_DOMAIN, BRIDGE_FORMAT, KV_CHECK_ATTRIBUTE, NODE_KEY_ATTRIBUTE, OP_TYPES, node_kernels
-from sparse_attention_op.demo import build_demo_model, reference_step
-from sparse_attention_op.graphs import sparse_attention_model
-from sparse_attention_op.inputs import CaseConfig, random_inputs
-from sparse_attention_op.model import node_attributes
+from sparse_attention_op.ort.bridge import BRIDGE_DOMAIN, BRIDGE_FORMAT, KV_CHECK_ATTRIBUTE, NODE_KEY_ATTRIBUTE, OP_TYPES, node_kernels
+from sparse_attention_op.cli.demo import build_demo_model, reference_step
+from sparse_attention_op.testing.graphs import sparse_attention_model
+from sparse_attention_op.testing.inputs import CaseConfig, random_inputs
+from sparse_attention_op.ort.model import node_attributes
 from sparse_attention_op.webgpu import get_executor
 
 LAYOUT = ("block_row_indices", "block_col_indices")
@@ -138,7 +138,7 @@ def test_key_without_value_is_refused(rng):
 
 
 def test_register_is_idempotent():
-    from sparse_attention_op import custom_op
+    from sparse_attention_op.ort import custom_op
 
     sao.register()
     registered = dict(custom_op._defined)
@@ -277,8 +277,8 @@ def test_a_session_left_to_the_interpreters_exit(executor, tmp_path):
 
     script = textwrap.dedent("""
         import numpy as np, sparse_attention_op as sao
-        from sparse_attention_op.graphs import sparse_attention_model
-        from sparse_attention_op.inputs import CaseConfig, random_inputs
+        from sparse_attention_op.testing.graphs import sparse_attention_model
+        from sparse_attention_op.testing.inputs import CaseConfig, random_inputs
         config = CaseConfig()
         inputs = random_inputs(config, np.random.default_rng(0))
         model = sparse_attention_model(config.node_attributes(), inputs, constants=("block_row_indices", "block_col_indices"))
@@ -378,7 +378,7 @@ def test_session_state_is_freed_with_the_session(executor, rng):
 def test_finaliser_never_blocks_on_a_call_in_flight(executor, rng):
     # The garbage collector may finalise a session while another call holds the executor's
     # lock (seen as a deadlock once): the finaliser must only queue the release.
-    from sparse_attention_op.session import _close_session
+    from sparse_attention_op.ort.session import _close_session
 
     session, token = session_that_ran(rng)
     done = threading.Event()
@@ -439,7 +439,7 @@ def test_parallel_execution_is_refused_at_session_creation(rng):
     model, _ = model_and_inputs(CaseConfig(seq_len=3), rng)
     options = ort.SessionOptions()
     options.execution_mode = ort.ExecutionMode.ORT_PARALLEL
-    for attempt in (lambda: sao.create_session(model, sess_options=options), lambda: sao.session.session_options(options)):
+    for attempt in (lambda: sao.create_session(model, sess_options=options), lambda: sao.session_options(options)):
         with pytest.raises(sao.SparseAttentionError, match="execution_mode is ORT_PARALLEL.*only ORT_SEQUENTIAL"):
             attempt()
     assert options.execution_mode == ort.ExecutionMode.ORT_PARALLEL

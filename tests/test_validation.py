@@ -8,10 +8,10 @@ import pytest
 
 import sparse_attention_op as sao
 from helpers import assert_matches_reference, graph_feeds
-from sparse_attention_op import spec
-from sparse_attention_op.graphs import sparse_attention_model
-from sparse_attention_op.inputs import CaseConfig, random_inputs
-from sparse_attention_op.spec import OpAttributes, SparseAttentionInputError, build_call
+from sparse_attention_op.op import spec
+from sparse_attention_op.testing.graphs import sparse_attention_model
+from sparse_attention_op.testing.inputs import CaseConfig, random_inputs
+from sparse_attention_op.op.spec import OpAttributes, SparseAttentionInputError, build_call
 from sparse_attention_op.webgpu import WebGPUExecutor
 
 # Decode-with-history batch of two, rotary on: every input is present and a graph input.

@@ -63,12 +63,12 @@ import onnxruntime as ort
 import wgpu
 from sparse_attention_op.benchmarking.common import PHI3_SMALL, median_seconds, spot_check
 
-from sparse_attention_op import bind_shared
-from sparse_attention_op.graphs import sparse_attention_model
-from sparse_attention_op.inputs import CaseConfig, random_inputs
-from sparse_attention_op.layouts import causal_mask, mask_to_csr, phi3_small_mask
-from sparse_attention_op.reference import block_mask
-from sparse_attention_op.spec import OpAttributes, SparseAttentionError, build_call
+from sparse_attention_op.ort.io_binding import bind_shared
+from sparse_attention_op.testing.graphs import sparse_attention_model
+from sparse_attention_op.testing.inputs import CaseConfig, random_inputs
+from sparse_attention_op.op.layouts import causal_mask, mask_to_csr, phi3_small_mask
+from sparse_attention_op.op.reference import block_mask
+from sparse_attention_op.op.spec import OpAttributes, SparseAttentionError, build_call
 from sparse_attention_op.webgpu import get_executor
 from sparse_attention_op.webgpu.executor import ExecutionSettings
 

@@ -31,10 +31,10 @@ from typing import NamedTuple
 import numpy as np
 import wgpu
 
-from .. import host_threads
-from . import recording
-from .mapping import mapped
-from .programs import BufferRange
+from sparse_attention_op.webgpu import host_threads
+from sparse_attention_op.webgpu import recording
+from sparse_attention_op.webgpu.mapping import mapped
+from sparse_attention_op.webgpu.programs import BufferRange
 
 #: Offsets of sections inside one buffer: storage bindings and copies need 256-byte aligned
 #: offsets on every adapter (minStorageBufferOffsetAlignment's largest allowed value).

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import wgpu
 
-from .process_wide import ProcessWide
+from sparse_attention_op.webgpu.process_wide import ProcessWide
 
 ADAPTER_ENV = "SPARSE_ATTENTION_OP_ADAPTER"
 

@@ -31,17 +31,18 @@ from typing import Callable, NamedTuple
 import numpy as np
 import wgpu
 
-from ..block_plan import BlockPlan, BlockPlanCache
-from ..cache_record import gather_probes, model_itemsize, probe_rows
-from ..spec import CallShape, SparseAttentionCall, SparseAttentionError
-from . import kernels, recording
-from .buffers import STAGING_BYTES, STORAGE_IN, STORAGE_OUT, UNIFORM, BufferPool, Download, GpuBufferError, StepLayout, Upload, aligned, step_layout
-from .device import GpuContext, get_context
-from .kv_cache import ResidentCache
-from .process_wide import ProcessWide
-from .programs import BufferRange, PipelineCache
-from .steady import SteadyDecode
-from .tuning import Tuning, choose_tuning
+from sparse_attention_op.op.block_plan import BlockPlan, BlockPlanCache
+from sparse_attention_op.webgpu.cache_record import gather_probes, model_itemsize, probe_rows
+from sparse_attention_op.op.spec import CallShape, SparseAttentionCall, SparseAttentionError
+from sparse_attention_op.webgpu import kernels
+from sparse_attention_op.webgpu import recording
+from sparse_attention_op.webgpu.buffers import STAGING_BYTES, STORAGE_IN, STORAGE_OUT, UNIFORM, BufferPool, Download, GpuBufferError, StepLayout, Upload, aligned, step_layout
+from sparse_attention_op.webgpu.device import GpuContext, get_context
+from sparse_attention_op.webgpu.kv_cache import ResidentCache
+from sparse_attention_op.webgpu.process_wide import ProcessWide
+from sparse_attention_op.webgpu.programs import BufferRange, PipelineCache
+from sparse_attention_op.webgpu.steady import SteadyDecode
+from sparse_attention_op.webgpu.tuning import Tuning, choose_tuning
 
 
 class GpuExecutionError(RuntimeError):

@@ -3,7 +3,7 @@
 Layout (batch, kv head, row, head) like the operator's past, but with ``rows`` of the GPU's
 own choosing: enough for the longest history seen, grown by doubling up to the model's
 max_cache_len. A model that allocates 131072 rows for a 1000-token conversation spends GPU
-memory on 1000 (well, 1024). The :class:`~sparse_attention_op.cache_record.CacheRecord`
+memory on 1000 (well, 1024). The :class:`~sparse_attention_op.webgpu.cache_record.CacheRecord`
 says which rows hold what; this class moves rows in (``upload_spans``) and keeps them when
 it grows.
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import wgpu
 
-from ..cache_record import CacheRecord, SyncPlan
-from .buffers import Upload
+from sparse_attention_op.webgpu.cache_record import CacheRecord, SyncPlan
+from sparse_attention_op.webgpu.buffers import Upload
 
 _USAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_DST | wgpu.BufferUsage.COPY_SRC
 _FIRST_ROWS = 256

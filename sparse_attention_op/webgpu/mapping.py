@@ -27,9 +27,9 @@ import time
 import numpy as np
 import wgpu
 
-from .native import ErrorCapture, enabled
-from .native import ffi as _ffi
-from .native import lib as _lib
+from sparse_attention_op.webgpu.native import ErrorCapture, enabled
+from sparse_attention_op.webgpu.native import ffi as _ffi
+from sparse_attention_op.webgpu.native import lib as _lib
 
 #: A blocking poll returns once the queue's submissions are done, so a map over finished
 #: work resolves in the first poll. More polls than this mean the map can never resolve.

@@ -19,7 +19,7 @@ import jinja2
 import numpy as np
 import wgpu
 
-from . import native
+from sparse_attention_op.webgpu import native
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 #: WebGPU's guaranteed minimum of maxComputeWorkgroupsPerDimension.

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import native
-from .native import ErrorCapture, ffi, lib
+from sparse_attention_op.webgpu import native
+from sparse_attention_op.webgpu.native import ErrorCapture, ffi, lib
 
 #: Off (``SAO_WGPU_COMMANDS=public``): every call records through wgpu-py's classes.
 NATIVE = native.enabled("SAO_WGPU_COMMANDS")

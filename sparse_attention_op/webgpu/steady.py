@@ -27,11 +27,12 @@ from typing import Callable
 
 import numpy as np
 
-from ..cache_record import gather_probes, probe_rows
-from ..spec import CallShape, ShapeFacts, new_rows
-from . import kernels, recording
-from .buffers import StepLayout
-from .mapping import mapped
+from sparse_attention_op.webgpu.cache_record import gather_probes, probe_rows
+from sparse_attention_op.op.spec import CallShape, ShapeFacts, new_rows
+from sparse_attention_op.webgpu import kernels
+from sparse_attention_op.webgpu import recording
+from sparse_attention_op.webgpu.buffers import StepLayout
+from sparse_attention_op.webgpu.mapping import mapped
 
 
 class SteadyDecode:

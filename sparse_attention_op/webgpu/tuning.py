@@ -40,7 +40,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from ..spec import CallShape
+from sparse_attention_op.op.spec import CallShape
 
 SIMPLE, TILED, SPLIT, ROWS = "simple", "tiled", "split", "rows"
 

@@ -16,8 +16,8 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from .bridge import BRIDGE_DOMAIN, KV_CHECK_ATTRIBUTE, NODE_KEY_ATTRIBUTE, OP_TYPES
-from .spec import OpAttributes
+from sparse_attention_op.ort.bridge import BRIDGE_DOMAIN, KV_CHECK_ATTRIBUTE, NODE_KEY_ATTRIBUTE, OP_TYPES
+from sparse_attention_op.op.spec import OpAttributes
 
 
 @dataclass

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import host_threads
+from sparse_attention_op.webgpu import host_threads
 
 DIGEST_BYTES = 8
 #: The record's size bound, as a fraction of the bytes of the cache it describes.

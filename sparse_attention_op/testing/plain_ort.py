@@ -14,10 +14,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from .model import is_sparse_attention
-
-_SHARED_BUFFER_OPS = {("com.microsoft", "SparseAttention"), ("com.microsoft", "GroupQueryAttention")}
-
+from sparse_attention_op.ort.graph import is_group_query_attention, is_sparse_attention
 
 def shared_pairs(model: onnx.ModelProto) -> dict[str, str]:
     """present output name -> past input name, for every attention node whose past is a graph
@@ -26,7 +23,7 @@ def shared_pairs(model: onnx.ModelProto) -> dict[str, str]:
     outputs = {o.name for o in model.graph.output}
     pairs = {}
     for node in model.graph.node:
-        if not (is_sparse_attention(node) or (node.domain, node.op_type) in _SHARED_BUFFER_OPS):
+        if not (is_sparse_attention(node) or is_group_query_attention(node)):
             continue
         for past_index, present_index in ((3, 1), (4, 2)):
             if past_index < len(node.input) and present_index < len(node.output):

@@ -31,12 +31,11 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from .inputs import rotary_caches
-from .layouts import mask_to_csr, phi3_small_mask
-from .model import is_sparse_attention, node_attributes
-from .spec import INPUT_NAMES
+from sparse_attention_op.testing.inputs import rotary_caches
+from sparse_attention_op.op.layouts import mask_to_csr, phi3_small_mask
+from sparse_attention_op.ort.graph import declared_head_size, declared_tensors, is_group_query_attention, is_sparse_attention, node_attributes
+from sparse_attention_op.op.spec import INPUT_NAMES
 
-GQA = ("com.microsoft", "GroupQueryAttention")
 #: GroupQueryAttention's input slots that matter here (ORT contrib schema).
 _GQA_SLOTS = {3: "past_key", 4: "past_value", 5: "seqlens_k", 6: "total_sequence_length"}
 
@@ -189,40 +188,22 @@ def ragged_rows(feeds: Mapping[str, np.ndarray]) -> bool:
 
 def _attention_uses(model: onnx.ModelProto) -> dict[str, _Use]:
     """Graph inputs read directly by a SparseAttention or GroupQueryAttention node, by name."""
-    from .inspection import declared_tensors
-
     declared = declared_tensors(model)
     uses = {}
     for node in model.graph.node:
         if is_sparse_attention(node):
             slots = dict(enumerate(INPUT_NAMES))
-        elif (node.domain, node.op_type) == GQA:
+        elif is_group_query_attention(node):
             slots = _GQA_SLOTS
         else:
             continue
         attributes = node_attributes(node)
         packed = len(node.input) < 2 or not node.input[1]
-        head_size = _declared_head_size(node, attributes, packed, declared)
+        head_size = declared_head_size(node, declared)
         for index, tensor in enumerate(node.input):
             if tensor and index in slots:
                 uses.setdefault(tensor, _Use(attributes, slots[index], packed, head_size))
     return uses
-
-
-def _declared_head_size(node, attributes: dict, packed: bool, declared: dict) -> int | None:
-    """The head size the node's declared (or inferred) input shapes fix: a past's last dim, or
-    the query's width over its heads."""
-    heads, kv_heads = int(attributes.get("num_heads", 0)), int(attributes.get("kv_num_heads", 0))
-    inputs = list(node.input) + [""] * 5
-    candidates = [(inputs[3], 3, 1), (inputs[0], 2, heads + (2 * kv_heads if packed else 0))]
-    for tensor, axis, divisor in candidates:
-        info = declared.get(tensor) if tensor else None
-        if info is None or info.shape is None or len(info.shape) <= axis or divisor <= 0:
-            continue
-        size = info.shape[axis]
-        if isinstance(size, int) and size > 0 and size % divisor == 0:
-            return size // divisor
-    return None
 
 
 def _shape(graph_input: onnx.ValueInfoProto, use: _Use | None, settings: FeedSettings, notes: list[str]) -> tuple[int, ...]:

@@ -3,7 +3,7 @@
 * ``export graph OUT.onnx``: one SparseAttention node (the layout as initializers, every
   other input a graph input), optionally with unit-scale random feeds as an .npz.
 * ``export decoder FOLDER``: an ORT GenAI model folder (``model.onnx`` and
-  ``genai_config.json``) holding a decoder of sparse_attention_op.decoder_models: one of the
+  ``genai_config.json``) holding a decoder of sparse_attention_op.testing.decoder_models: one of the
   bundled presets (models/), with fields overridden as asked.
 """
 
@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from .arguments import UsageError
-from .decoder_models import BUNDLED_MODELS, DecoderConfig, write_model_folder
-from .feeds import npz_path
-from .graphs import sparse_attention_model
-from .inputs import CaseConfig, random_inputs
-from .spec import OpAttributes, SparseAttentionError, build_call
+from sparse_attention_op.cli.arguments import UsageError
+from sparse_attention_op.testing.decoder_models import BUNDLED_MODELS, DecoderConfig, write_model_folder
+from sparse_attention_op.testing.feeds import npz_path
+from sparse_attention_op.testing.graphs import sparse_attention_model
+from sparse_attention_op.testing.inputs import CaseConfig, random_inputs
+from sparse_attention_op.op.spec import OpAttributes, SparseAttentionError, build_call
 
 DEFAULT_PRESET = "phi3-small-tiny"
 #: DecoderConfig fields the command line may override (--layers 6, --dtype float16, ...).

@@ -12,9 +12,9 @@ import re
 import sys
 from pathlib import Path
 
-from . import commands
-from .arguments import UsageError, non_negative, positive
-from .generation import Sampling
+from sparse_attention_op.cli import commands
+from sparse_attention_op.cli.arguments import UsageError, non_negative, positive
+from sparse_attention_op.generation.loop import Sampling
 
 EPILOG = """examples:
   sparse-attention-op info
@@ -60,9 +60,9 @@ def resolve_generate_args(args: argparse.Namespace, parser: argparse.ArgumentPar
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .benchmarking import sweep
-    from .demo import DEFAULT_MODEL
-    from .exporting import add_decoder_options, add_graph_options
+    from sparse_attention_op.benchmarking import sweep
+    from sparse_attention_op.cli.demo import DEFAULT_MODEL
+    from sparse_attention_op.cli.export import add_decoder_options, add_graph_options
 
     parser = argparse.ArgumentParser(prog="sparse-attention-op", description=__doc__, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -172,7 +172,7 @@ def main(argv=None) -> int:
     if args.command == "generate":
         resolve_generate_args(args, args.subparser)
     if args.command == "bench":
-        from .benchmarking import sweep
+        from sparse_attention_op.benchmarking import sweep
 
         sweep.resolve_args(args, args.subparser)
         args.argv = argv[argv.index("bench") + 1:]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .text_tables import format_number, format_table
+from sparse_attention_op.cli.tables import format_number, format_table
 
 #: Largest |ours - ORT| / max(1, max |ORT|) accepted by ``run --compare-ort``, per output
 #: dtype: float32 computes both in float32; float16 models round every op's output to
@@ -24,7 +24,7 @@ COMPARE_TOLERANCE = {"float32": 1e-3, "float16": 2e-2}
 
 
 def info(args: argparse.Namespace) -> int:
-    from .system_info import adapter_summaries, chosen_adapter, versions
+    from sparse_attention_op.cli.system_info import adapter_summaries, chosen_adapter, versions
 
     report = {"versions": versions(), "adapters": adapter_summaries()}
     report["chosen"] = chosen_adapter() if report["adapters"] else None
@@ -34,7 +34,7 @@ def info(args: argparse.Namespace) -> int:
     print(format_table(["package", "version"], list(report["versions"].items())))
     print("\nadapters (best first; SPARSE_ATTENTION_OP_ADAPTER picks another):")
     if not report["adapters"]:
-        from .webgpu.device import no_adapter_reason
+        from sparse_attention_op.webgpu.device import no_adapter_reason
 
         print(f"  none: {no_adapter_reason()}")
         return 1
@@ -49,8 +49,8 @@ def info(args: argparse.Namespace) -> int:
 
 
 def inspect(args: argparse.Namespace) -> int:
-    from . import model_files
-    from .inspection import format_report, inspect_model
+    from sparse_attention_op.generation import model_files
+    from sparse_attention_op.cli.inspection import format_report, inspect_model
 
     files = model_files.resolve(args.model)
     report = inspect_model(model_files.load(files, with_weights=False), files)
@@ -63,10 +63,10 @@ def inspect(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """One run of the model on WebGPU with random or given feeds; optionally against ORT CPU."""
-    from . import model_files
-    from .feeds import FeedSettings, check_feeds, history_lengths, npz_path, random_feeds, ragged_rows
-    from .ort_cpu import run_plain_ort, shared_pairs
-    from .session import create_session
+    from sparse_attention_op.generation import model_files
+    from sparse_attention_op.testing.feeds import FeedSettings, check_feeds, history_lengths, npz_path, random_feeds, ragged_rows
+    from sparse_attention_op.testing.plain_ort import run_plain_ort, shared_pairs
+    from sparse_attention_op.ort.session import create_session
 
     files = model_files.resolve(args.model)
     model = model_files.load(files)
@@ -140,8 +140,8 @@ def run(args: argparse.Namespace) -> int:
 
 def generate(args: argparse.Namespace) -> int:
     """Greedy or sampled generation from the given prompt ids; optionally against ORT CPU."""
-    from . import model_files
-    from .generation import GenerationError, Sampling, cache_dims_of, divergences, generate as generate_tokens
+    from sparse_attention_op.generation import model_files
+    from sparse_attention_op.generation.loop import GenerationError, Sampling, cache_dims_of, divergences, generate as generate_tokens
 
     files = model_files.resolve(args.model)
     prompts = args.prompt_ids
@@ -196,7 +196,7 @@ def generate(args: argparse.Namespace) -> int:
 
 def _read_npz(path: Path) -> dict:
     """The arrays of an .npz archive by name; a clear error for anything else."""
-    from .feeds import FeedError
+    from sparse_attention_op.testing.feeds import FeedError
 
     if not Path(path).is_file():
         raise FeedError(f"--feeds {path}: no such file")
@@ -244,7 +244,7 @@ def _ort_tokens(files, prompts, max_new_tokens: int, options: dict):
     Rows of different lengths run one by one: ORT's kernel gets ragged batches wrong."""
     import onnxruntime as ort
 
-    from .generation import generate as generate_tokens
+    from sparse_attention_op.generation.loop import generate as generate_tokens
 
     session = ort.InferenceSession(str(files.onnx_path), providers=["CPUExecutionProvider"])
     if len({len(p) for p in prompts}) == 1:
@@ -277,14 +277,14 @@ class _StepProgress:
 
 
 def bench(args: argparse.Namespace) -> int:
-    from .benchmarking import sweep
+    from sparse_attention_op.benchmarking import sweep
 
     command = "sparse-attention-op bench " + " ".join(args.argv)
     return sweep.run(args, command)
 
 
 def export_graph(args: argparse.Namespace) -> int:
-    from .exporting import export_graph as write
+    from sparse_attention_op.cli.export import export_graph as write
 
     for path in write(args):
         print(f"wrote {path}")
@@ -292,7 +292,7 @@ def export_graph(args: argparse.Namespace) -> int:
 
 
 def export_decoder(args: argparse.Namespace) -> int:
-    from .exporting import export_decoder as write
+    from sparse_attention_op.cli.export import export_decoder as write
 
     path, config = write(args)
     print(f"wrote {path} and {path.parent / 'genai_config.json'}: {config.layers} layers, {config.dtype}, "
@@ -303,7 +303,7 @@ def export_decoder(args: argparse.Namespace) -> int:
 def export_demo(args: argparse.Namespace) -> int:
     import onnx
 
-    from .demo import build_demo_model
+    from sparse_attention_op.cli.demo import build_demo_model
 
     args.output.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(build_demo_model(), str(args.output))
@@ -312,7 +312,7 @@ def export_demo(args: argparse.Namespace) -> int:
 
 
 def adapters(args: argparse.Namespace) -> int:
-    from .webgpu.device import describe, list_adapters, no_adapter_reason
+    from sparse_attention_op.webgpu.device import describe, list_adapters, no_adapter_reason
 
     found = list_adapters()
     if not found:
@@ -328,7 +328,7 @@ def adapters(args: argparse.Namespace) -> int:
 
 
 def demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from sparse_attention_op.cli.demo import run_demo
 
     if args.model is not None and not (Path(args.model) / "genai_config.json").is_file():
         raise ValueError(f"--model {args.model}: the demo runs an ORT GenAI decoder folder (such as models/phi3-small-tiny)")

@@ -11,8 +11,8 @@ import platform
 from importlib import metadata
 
 # The limits the device is created with and the features it requests: what the kernels use.
-from .webgpu.device import OPTIONAL_FEATURES as KERNEL_FEATURES
-from .webgpu.device import RAISED_LIMITS as KERNEL_LIMITS
+from sparse_attention_op.webgpu.device import OPTIONAL_FEATURES as KERNEL_FEATURES
+from sparse_attention_op.webgpu.device import RAISED_LIMITS as KERNEL_LIMITS
 
 #: Distributions whose versions matter to a bug report.
 DISTRIBUTIONS = ("sparse-attention-op", "onnxruntime", "onnxruntime-extensions", "wgpu", "onnx", "numpy")
@@ -42,7 +42,7 @@ def versions() -> dict[str, str]:
 
 def adapter_summaries() -> list[dict]:
     """Every adapter wgpu enumerates, best first (the order the package picks from)."""
-    from .webgpu.device import describe, list_adapters
+    from sparse_attention_op.webgpu.device import describe, list_adapters
 
     return [{"description": describe(a), "type": a.info.get("adapter_type", "?"), "backend": a.info.get("backend_type", "?"),
              "vendor": a.info.get("vendor", "?"), "driver": a.info.get("description", "")} for a in list_adapters()]
@@ -52,8 +52,8 @@ def chosen_adapter() -> dict:
     """The adapter and device the package uses, with what the kernels care about.
 
     Raises :class:`~sparse_attention_op.webgpu.NoAdapterError` when there is none."""
-    from .webgpu.device import get_context
-    from .webgpu.tuning import choose_tuning
+    from sparse_attention_op.webgpu.device import get_context
+    from sparse_attention_op.webgpu.tuning import choose_tuning
 
     context = get_context()
     tuning = choose_tuning(context.limits, context.features, context.adapter_type)
@@ -73,8 +73,8 @@ def chosen_adapter() -> dict:
 def example_routes(tuning) -> dict[str, str]:
     """Which pass the tuning picks at Phi-3-small's shape, for a long prompt and a decode step,
     in words: the quickest way to see what an adapter will run."""
-    from .spec import OpAttributes, describe_call
-    from .webgpu.tuning import SPLIT, TILED
+    from sparse_attention_op.op.spec import OpAttributes, describe_call
+    from sparse_attention_op.webgpu.tuning import SPLIT, TILED
 
     attributes = OpAttributes.from_mapping(_EXAMPLE_ATTRIBUTES)
     heads, kv_heads, block = attributes.num_heads, attributes.kv_num_heads, attributes.sparse_block_size

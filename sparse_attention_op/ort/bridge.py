@@ -36,10 +36,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import _ortx_compat, custom_op
-from .custom_op import FLOAT, FLOAT16, INT32, OpDeclaration, Slot
-from .presents import copy_past, write_rows
-from .spec import (INPUT_NAMES, SHAPED_INPUTS, CallShape, OpAttributes, SparseAttentionCall, SparseAttentionError, assemble_call, describe_lengths,
+from sparse_attention_op.ort import extensions as _ortx_compat
+from sparse_attention_op.ort import custom_op
+from sparse_attention_op.ort.custom_op import FLOAT, FLOAT16, INT32, OpDeclaration, Slot
+from sparse_attention_op.ort.presents import copy_past, write_rows
+from sparse_attention_op.op.spec import (INPUT_NAMES, SHAPED_INPUTS, CallShape, OpAttributes, SparseAttentionCall, SparseAttentionError, assemble_call, describe_lengths,
                    describe_shapes, new_rows)
 
 #: Domain of the bridge's op: onnxruntime-extensions' own, under which its library
@@ -193,7 +194,7 @@ _process_executor = None
 def _executor():
     global _process_executor
     if _process_executor is None:
-        from .webgpu import get_executor  # the GPU is touched on the first call, not at import
+        from sparse_attention_op.webgpu import get_executor  # the GPU is touched on the first call, not at import
 
         _process_executor = get_executor()
     return _process_executor
@@ -206,7 +207,7 @@ def _settings(kernel: NodeKernel):
     (webgpu/steady.py)."""
     settings = records.settings(kernel.token)
     if settings is None:
-        from .webgpu.executor import DEFAULT_SETTINGS
+        from sparse_attention_op.webgpu.executor import DEFAULT_SETTINGS
 
         settings = DEFAULT_SETTINGS
     return settings

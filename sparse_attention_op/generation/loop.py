@@ -1,6 +1,6 @@
 """A generation loop for decoders in the ORT GenAI I/O convention, on shared KV buffers.
 
-The convention (what the GenAI model builder writes, and sparse_attention_op.decoder_models):
+The convention (what the GenAI model builder writes, and sparse_attention_op.testing.decoder_models):
 inputs ``input_ids`` (int64 [batch, seq]), ``attention_mask`` (int64 [batch, total]),
 optionally ``position_ids``, and per layer ``past_key_values.{i}.key/value``; outputs
 ``logits`` ([batch, seq, vocab]) and ``present.{i}.key/value``.
@@ -30,8 +30,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from .bridge import require_kv_check
-from .model import ModelLike, load_model
+from sparse_attention_op.ort.bridge import require_kv_check
+from sparse_attention_op.op.spec import INPUT_NAMES
+from sparse_attention_op.ort.graph import (ModelLike, declared_head_size, declared_tensors, is_group_query_attention, is_sparse_attention,
+                                         load_model, node_attributes)
 
 INPUT_IDS, ATTENTION_MASK, POSITION_IDS, LOGITS = "input_ids", "attention_mask", "position_ids", "logits"
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
@@ -342,10 +344,10 @@ def _session(model, kv_check: str) -> tuple[ort.InferenceSession, dict]:
     """(the session, hints for cache dims it may declare symbolic)."""
     if isinstance(model, ort.InferenceSession):
         return model, {}
-    from .session import create_session
+    from sparse_attention_op.ort.session import create_session
 
     if isinstance(model, (str, os.PathLike)) and os.path.isdir(model):
-        from .model_files import resolve
+        from sparse_attention_op.generation.model_files import resolve
 
         model = resolve(model).onnx_path  # an ORT GenAI folder: its decoder
     proto = load_model(model)
@@ -358,8 +360,6 @@ def context_length_of(model: onnx.ModelProto) -> int | None:
     """The most tokens the model's SparseAttention nodes accept, where constants fix it: the
     rows of a constant cos_cache (with rotary) and a constant layout's block rows times the
     block size. None where nothing constant bounds it."""
-    from .model import is_sparse_attention, node_attributes
-    from .spec import INPUT_NAMES
 
     constants = {init.name: init for init in model.graph.initializer}
     bounds = []
@@ -381,9 +381,6 @@ def cache_dims_of(model: onnx.ModelProto) -> tuple[int | None, int | None]:
     """(kv_heads, head_size) of the model's caches: as the pasts declare them, else from the
     first attention node that reads a past (its kv_num_heads, and the head size the shapes
     ONNX can infer give); None where neither says."""
-    from .feeds import GQA, _declared_head_size
-    from .inspection import declared_tensors
-    from .model import is_sparse_attention, node_attributes
 
     for graph_input in model.graph.input:
         if _PAST.match(graph_input.name) and graph_input.type.tensor_type.HasField("shape"):
@@ -391,10 +388,9 @@ def cache_dims_of(model: onnx.ModelProto) -> tuple[int | None, int | None]:
             if len(dims) == 4 and dims[1].HasField("dim_value") and dims[3].HasField("dim_value"):
                 return dims[1].dim_value, dims[3].dim_value
     for node in model.graph.node:
-        if (is_sparse_attention(node) or (node.domain, node.op_type) == GQA) and len(node.input) > 3 and _PAST.match(node.input[3]):
-            attributes = node_attributes(node)
-            packed = len(node.input) < 2 or not node.input[1]
-            return int(attributes.get("kv_num_heads", 0)) or None, _declared_head_size(node, attributes, packed, declared_tensors(model))
+        if (is_sparse_attention(node) or is_group_query_attention(node)) and len(node.input) > 3 and _PAST.match(node.input[3]):
+            kv_heads = int(node_attributes(node).get("kv_num_heads", 0)) or None
+            return kv_heads, declared_head_size(node, declared_tensors(model))
     return None, None
 
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .layouts import mask_to_csr, phi3_small_mask
-from .spec import OpAttributes
+from sparse_attention_op.op.layouts import mask_to_csr, phi3_small_mask
+from sparse_attention_op.op.spec import OpAttributes
 
 
 @dataclass

@@ -42,7 +42,7 @@ from typing import Callable
 
 import numpy as np
 
-from .ort_versions import ort_version_at
+from sparse_attention_op.ort.versions import ort_version_at
 
 #: ``OrtCustomOp.version`` this module fills in: the struct as of ORT API 17 (onnxruntime
 #: 1.17), the first with every member below. ORT refuses a version above its own.

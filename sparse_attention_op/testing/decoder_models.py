@@ -38,11 +38,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .graphs import finish_model
-from .inputs import rotary_caches
-from .layouts import causal_mask, mask_to_csr, phi3_small_mask
-from .reference import sparse_attention_reference
-from .spec import DOMAIN, OP_TYPE
+from sparse_attention_op.testing.graphs import finish_model
+from sparse_attention_op.testing.inputs import rotary_caches
+from sparse_attention_op.op.layouts import causal_mask, mask_to_csr, phi3_small_mask
+from sparse_attention_op.op.reference import sparse_attention_reference
+from sparse_attention_op.op.spec import DOMAIN, OP_TYPE
+from sparse_attention_op.ort.graph import node_attributes
 
 GQA_OP_TYPE = "GroupQueryAttention"
 DTYPES = {"float32": (np.float32, TensorProto.FLOAT), "float16": (np.float16, TensorProto.FLOAT16)}
@@ -367,12 +368,8 @@ def write_model_folder(config: DecoderConfig, folder: str | os.PathLike, filenam
 # --- float64 reference ------------------------------------------------------------------------
 
 
-def _attributes(node: onnx.NodeProto) -> dict:
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
-
-
 def _norm_reference(x: np.ndarray, weights: dict, prefix: str, node: onnx.NodeProto) -> np.ndarray:
-    epsilon = _attributes(node).get("epsilon", 1e-5)
+    epsilon = node_attributes(node).get("epsilon", 1e-5)
     gain = weights[f"{prefix}.weight"]
     if node.op_type == "LayerNormalization":
         centred = x - x.mean(axis=-1, keepdims=True)
@@ -386,7 +383,7 @@ def decoder_reference(model: onnx.ModelProto, input_ids, lengths) -> np.ndarray:
     ``input_ids`` (batch, seq) is right-padded: row b's tokens are its first ``lengths[b]``
     entries (the SparseAttention contract, docs/design.md section 1). Weights are read from
     the model's initializers by name; SparseAttention layers use
-    :func:`~sparse_attention_op.reference.sparse_attention_reference`, GroupQueryAttention
+    :func:`~sparse_attention_op.op.reference.sparse_attention_reference`, GroupQueryAttention
     layers the same reference with a causal layout. Logits at padding positions are
     whatever the padding computes: compare only positions < lengths[b].
     """
@@ -415,7 +412,7 @@ def decoder_reference(model: onnx.ModelProto, input_ids, lengths) -> np.ndarray:
         qkv = normed @ weights[f"{p}.attn.qkv_proj.weight"]
         sparse = nodes.get(f"{n}/attn/SparseAttention")
         node = sparse or nodes[f"{n}/attn/GroupQueryAttention"]
-        attrs = _attributes(node)
+        attrs = node_attributes(node)
         if sparse is not None:
             block, layout_rows, layout_cols = attrs["sparse_block_size"], rows, cols
         else:

@@ -19,26 +19,13 @@ import numpy as np
 import onnx
 from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
-from .model import is_sparse_attention, load_constant_layouts, node_attributes, prepare_model
-from .model_files import ModelFiles
-from .spec import INPUT_NAMES, OUTPUT_NAMES, SparseAttentionError
+from sparse_attention_op.ort.graph import TensorInfo, all_nodes, constant_tensors, declared_tensors, is_sparse_attention, node_attributes
+from sparse_attention_op.ort.model import load_constant_layouts, prepare_model
+from sparse_attention_op.generation.model_files import ModelFiles
+from sparse_attention_op.op.spec import INPUT_NAMES, OUTPUT_NAMES, SparseAttentionError
 
 WEBGPU = "WebGPU (SparseAttention through the bridge's op)"
 ORT_CPU = "ONNX Runtime CPU"
-
-
-@dataclass
-class TensorInfo:
-    name: str
-    dtype: str  # "float32", "int64", ... or "?" where nothing declares it
-    shape: list | None  # ints and symbolic names (None: an unnamed dim); None: rank unknown
-    kind: str = ""  # "graph input", "constant", "computed" (node inputs only)
-
-    @property
-    def shape_text(self) -> str:
-        if self.shape is None:
-            return "?"
-        return "[" + ", ".join("?" if d is None else str(d) for d in self.shape) + "]"
 
 
 @dataclass
@@ -160,7 +147,7 @@ def placement(graph: onnx.GraphProto) -> dict[str, dict[str, int]]:
 
 def format_report(report: ModelReport) -> str:
     """The report as text: header, graph inputs/outputs, nodes, layouts, placement."""
-    from .text_tables import format_table
+    from sparse_attention_op.cli.tables import format_table
 
     opsets = ", ".join(f"{domain} {version}" for domain, version in report.opsets.items())
     lines = [f"model: {report.path} (IR {report.ir_version}; opsets {opsets})"]
@@ -198,18 +185,6 @@ def format_report(report: ModelReport) -> str:
 # -- helpers ----------------------------------------------------------------------------
 
 
-def all_nodes(graph: onnx.GraphProto):
-    """Every node of the graph and of its subgraphs (If/Loop/Scan bodies)."""
-    for node in graph.node:
-        yield node
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                yield from all_nodes(attribute.g)
-            elif attribute.type == onnx.AttributeProto.GRAPHS:
-                for sub in attribute.graphs:
-                    yield from all_nodes(sub)
-
-
 def _same_signature(node: NodeInfo, other: NodeInfo) -> bool:
     """Same attributes, slots, dtypes, shapes, sources and layout: only tensor names differ."""
     def signature(n: NodeInfo):
@@ -238,58 +213,13 @@ def _plain(value):
     return repr(value)
 
 
-def dtype_name(elem_type: int) -> str:
-    if elem_type == TensorProto.UNDEFINED:
-        return "?"
-    return str(helper.tensor_dtype_to_np_dtype(elem_type)) if elem_type != TensorProto.BFLOAT16 else "bfloat16"
-
-
-def _tensor_info(value_info: onnx.ValueInfoProto) -> TensorInfo:
-    tensor_type = value_info.type.tensor_type
-    shape = None
-    if tensor_type.HasField("shape"):
-        shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor_type.shape.dim]
-    return TensorInfo(value_info.name, dtype_name(tensor_type.elem_type), shape)
-
-
 def _dtype_shape(declared: dict, name: str) -> tuple[str, list | None]:
     info = declared.get(name)
     return (info.dtype, info.shape) if info else ("?", None)
 
 
-def declared_tensors(model: onnx.ModelProto) -> dict[str, TensorInfo]:
-    """Dtype and shape of every tensor ONNX can tell, declared or inferred (inference is a
-    convenience: a model it cannot handle keeps what it declares)."""
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model)
-    except Exception:
-        inferred = model
-    graph = inferred.graph
-    found = {vi.name: _tensor_info(vi) for vi in [*graph.value_info, *graph.output, *graph.input]}
-    for init in graph.initializer:
-        found.setdefault(init.name, TensorInfo(init.name, dtype_name(init.data_type), list(init.dims)))
-    for node in graph.node:
-        if node.op_type == "Constant" and node.output:
-            for attribute in node.attribute:
-                if attribute.name == "value":
-                    found[node.output[0]] = TensorInfo(node.output[0], dtype_name(attribute.t.data_type), list(attribute.t.dims))
-    return found
-
-
-def constant_tensors(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
-    """Tensors fixed in the model: initializers that are not graph inputs, Constant outputs."""
-    inputs = {i.name for i in graph.input}
-    constants = {init.name: init for init in graph.initializer if init.name not in inputs}
-    for node in graph.node:
-        if node.op_type == "Constant" and node.output:
-            for attribute in node.attribute:
-                if attribute.name == "value":
-                    constants[node.output[0]] = attribute.t
-    return constants
-
-
 def _layout(pair: tuple[str, str], constants: dict, block_size: int, base_dir: Path) -> LayoutInfo:
-    from .reference import block_mask
+    from sparse_attention_op.op.reference import block_mask
 
     info = LayoutInfo(pair[0], pair[1], all(name in constants for name in pair), [], block_size)
     if not info.constant:

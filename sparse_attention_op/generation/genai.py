@@ -2,7 +2,7 @@
 
 :func:`prepare_genai_folder` writes a copy of a GenAI model folder (``genai_config.json``,
 its ONNX models, tokenizer files, ...) in which every model holding SparseAttention went
-through :func:`~sparse_attention_op.model.prepare_model`, and :func:`load_genai_model`
+through :func:`~sparse_attention_op.ort.model.prepare_model`, and :func:`load_genai_model`
 registers the bridge and opens it with ``onnxruntime_genai.Model``. What ORT GenAI 0.18
 imposes, as measured (docs/genai.md):
 
@@ -38,10 +38,10 @@ from typing import Iterator
 import onnx
 from onnxruntime_extensions import get_library_path
 
-from .bridge import BRIDGE_FORMAT, register, require_kv_check
-from .inspection import all_nodes
-from .model import bridge_format, is_sparse_attention, load_constant_layouts, prepare_model
-from .model_files import GENAI_CONFIG
+from sparse_attention_op.ort.bridge import BRIDGE_FORMAT, register, require_kv_check
+from sparse_attention_op.ort.graph import all_nodes, is_sparse_attention
+from sparse_attention_op.ort.model import bridge_format, load_constant_layouts, prepare_model
+from sparse_attention_op.generation.model_files import GENAI_CONFIG
 #: What prepare_genai_folder did, for load_genai_model and for people reading the folder.
 #: A separate file: GenAI's config parser rejects keys it does not know.
 RECORD_FILE = "sparse_attention_op.json"
@@ -326,7 +326,7 @@ def _track(model, token: str) -> None:
 
 
 def _forget(token: str) -> None:
-    from .session import _close_session  # frees a token's GPU state without blocking
+    from sparse_attention_op.ort.session import _close_session  # frees a token's GPU state without blocking
 
     with _live_lock:
         _live_models[token] -= 1

@@ -4,7 +4,7 @@ Each SparseAttention node is checked (attributes, required inputs, element types
 constant layout's CSR), given an identity (``<session token>/<index>:<name>``) that keys its
 GPU state, and replaced by the bridge's op (rewrite.py), which runs it on WebGPU. The graph's
 inputs and outputs keep their names, shapes, dtypes and meaning. Model-level faults raise
-:class:`~sparse_attention_op.spec.SparseAttentionError` naming the node. Other nodes are left
+:class:`~sparse_attention_op.op.spec.SparseAttentionError` naming the node. Other nodes are left
 alone.
 """
 
@@ -19,32 +19,14 @@ from typing import Union
 import onnx
 from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
-from .bridge import BRIDGE_DOMAIN, BRIDGE_FORMAT, OP_TYPES, require_kv_check
-from .rewrite import NodePlan, expand
-from .spec import DOMAIN, FLOAT_INPUTS, INPUT_NAMES, OPTIONAL_INPUTS, OP_TYPE, OpAttributes, SparseAttentionError, check_layout
+from sparse_attention_op.ort.bridge import BRIDGE_DOMAIN, BRIDGE_FORMAT, OP_TYPES, require_kv_check
+from sparse_attention_op.ort.graph import ModelLike, all_graphs, constant_tensors, is_sparse_attention, load_model, node_attributes, tensor_types
+from sparse_attention_op.ort.rewrite import NodePlan, expand
+from sparse_attention_op.op.spec import DOMAIN, FLOAT_INPUTS, INPUT_NAMES, OPTIONAL_INPUTS, OP_TYPE, OpAttributes, SparseAttentionError, check_layout
 
-ModelLike = Union[str, os.PathLike, bytes, onnx.ModelProto]
 _INT_INPUTS = [name for name in INPUT_NAMES if name not in FLOAT_INPUTS]
 #: The metadata entry of a prepared model that names its bridge format (bridge.BRIDGE_FORMAT).
 FORMAT_KEY = "sparse_attention_op.bridge_format"
-
-
-def load_model(model: ModelLike) -> onnx.ModelProto:
-    """A ModelProto from a path, serialized bytes or a ModelProto (which is copied)."""
-    if isinstance(model, onnx.ModelProto):
-        return copy.deepcopy(model)
-    if isinstance(model, (bytes, bytearray)):
-        return onnx.load_from_string(bytes(model))
-    if isinstance(model, (str, os.PathLike)):
-        path = Path(model)
-        if not path.is_file():
-            raise FileNotFoundError(f"no ONNX model at {path}")
-        return onnx.load(str(path))
-    raise TypeError(f"model must be a path, bytes or onnx.ModelProto, got {type(model).__name__}")
-
-
-def is_sparse_attention(node: onnx.NodeProto) -> bool:
-    return node.op_type == OP_TYPE and node.domain == DOMAIN
 
 
 def prepare_model(model: ModelLike, *, session_token: str | None = None, kv_check: str = "exact") -> onnx.ModelProto:
@@ -60,13 +42,13 @@ def prepare_model(model: ModelLike, *, session_token: str | None = None, kv_chec
     token = session_token or uuid.uuid4().hex
     main = prepared.graph
     types = tensor_types(prepared)
-    constants = _constant_names(main)
+    constants = set(constant_tensors(main))
     count = 0
     # Subgraph (If/Loop/Scan) bodies are rewritten in place.
-    for graph in [main, *_subgraphs(main)]:
+    for graph in all_graphs(main):
         for index, node in enumerate(graph.node):
             if is_sparse_attention(node):
-                plan = _plan(node, f"{token}/{count}:{node.name}", kv_check, types, constants | _constant_names(graph), main, graph)
+                plan = _plan(node, f"{token}/{count}:{node.name}", kv_check, types, constants | set(constant_tensors(graph)), main, graph)
                 graph.node[index].CopyFrom(expand(plan))
                 count += 1
     if count:
@@ -87,7 +69,7 @@ def _is_bridge_node(node: onnx.NodeProto) -> bool:
 def bridge_format(model: onnx.ModelProto) -> int | None:
     """The bridge format a prepared model was written for; None for a model without the
     bridge's ops. Models prepared before the format was recorded are format 1."""
-    if not any(_is_bridge_node(node) for graph in [model.graph, *_subgraphs(model.graph)] for node in graph.node):
+    if not any(_is_bridge_node(node) for graph in all_graphs(model.graph) for node in graph.node):
         return None
     stamped = {entry.key: entry.value for entry in model.metadata_props}.get(FORMAT_KEY, "1")
     return int(stamped) if stamped.isdigit() else 0
@@ -115,10 +97,6 @@ def _set_metadata(model: onnx.ModelProto, key: str, value: str) -> None:
             entry.value = value
             return
     model.metadata_props.add(key=key, value=value)
-
-
-def node_attributes(node: onnx.NodeProto) -> dict:
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
 def _plan(node, node_key: str, kv_check: str, types: dict, constants: set, *graphs) -> NodePlan:
@@ -180,15 +158,6 @@ def _check_constant_layout(label: str, layout: tuple[str, str], graphs) -> None:
         raise SparseAttentionError(f"{label}: {error}") from None
 
 
-def _constant_names(graph) -> set:
-    """Tensors whose value is fixed in the model: initializers that are not graph inputs, Constant outputs."""
-    inputs = {i.name for i in graph.input}
-    names = {init.name for init in graph.initializer if init.name not in inputs}
-    names.update(node.output[0] for node in graph.node
-                 if node.op_type == "Constant" and node.output and any(a.name == "value" for a in node.attribute))
-    return names
-
-
 #: The operator's layout inputs, by position.
 LAYOUT_INPUTS = tuple(INPUT_NAMES.index(name) for name in ("block_row_indices", "block_col_indices"))
 
@@ -198,7 +167,7 @@ def load_constant_layouts(model: onnx.ModelProto, base_dir: str | os.PathLike) -
     SparseAttention node's constant layout, for a model loaded without its external data:
     prepare_model checks those values, and they are small. Other weights stay in their files."""
     initializers = {init.name: init for init in model.graph.initializer}
-    for graph in [model.graph, *_subgraphs(model.graph)]:
+    for graph in all_graphs(model.graph):
         for node in graph.node:
             if not is_sparse_attention(node):
                 continue
@@ -208,30 +177,3 @@ def load_constant_layouts(model: onnx.ModelProto, base_dir: str | os.PathLike) -
                     external_data_helper.load_external_data_for_tensor(tensor, str(base_dir))
                     tensor.data_location = onnx.TensorProto.DEFAULT
                     del tensor.external_data[:]
-
-
-def _subgraphs(graph):
-    for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                yield attribute.g
-                yield from _subgraphs(attribute.g)
-            elif attribute.type == onnx.AttributeProto.GRAPHS:
-                for sub in attribute.graphs:
-                    yield sub
-                    yield from _subgraphs(sub)
-
-
-def tensor_types(model: onnx.ModelProto) -> dict[str, int]:
-    """Element type of every tensor of the main graph whose type ONNX can infer."""
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model)
-    except Exception:  # inference is a convenience: fall back to what the graph declares
-        inferred = model
-    graph = inferred.graph
-    types = {vi.name: vi.type.tensor_type.elem_type for vi in [*graph.input, *graph.value_info, *graph.output]}
-    types.update({init.name: init.data_type for init in graph.initializer})
-    for node in graph.node:
-        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
-            types[node.output[0]] = node.attribute[0].t.data_type
-    return {name: t for name, t in types.items() if t != TensorProto.UNDEFINED}

@@ -9,9 +9,9 @@ import weakref
 import onnxruntime as ort
 from onnxruntime_extensions import get_library_path
 
-from .bridge import forget_session, records, register, require_kv_check
-from .model import ModelLike, prepare_model
-from .spec import SparseAttentionError
+from sparse_attention_op.ort.bridge import forget_session, records, register, require_kv_check
+from sparse_attention_op.ort.model import ModelLike, prepare_model
+from sparse_attention_op.op.spec import SparseAttentionError
 
 #: Marks SessionOptions that already carry the extensions library: registering it twice on
 #: one options object makes session creation fail ("Conflicting with a registered kernel").
@@ -21,7 +21,7 @@ _REGISTERED_MARK = "sparse_attention_op.custom_ops_registered"
 def _close_session(token: str, kernels: bool = True) -> None:
     """Finaliser of a session: forget its records (and its nodes' kernels unless told not
     to: bridge.forget_session), queue its nodes' GPU state for freeing (never blocks)."""
-    from .webgpu import executor as executor_module
+    from sparse_attention_op.webgpu import executor as executor_module
 
     try:
         forget_session(token, kernels)
@@ -160,10 +160,10 @@ def create_session(
     of its own, which per-dispatch times count once per dispatch (see
     :meth:`SparseAttentionSession.last_stats`).
     ``f16_cache`` keeps float16 models' GPU caches in f16 where the adapter allows (lossless).
-    Model-level faults raise :class:`~sparse_attention_op.spec.SparseAttentionError` here;
+    Model-level faults raise :class:`~sparse_attention_op.op.spec.SparseAttentionError` here;
     call-level faults raise it from ``run``, and the session keeps working afterwards.
     """
-    from .webgpu.executor import ExecutionSettings
+    from sparse_attention_op.webgpu.executor import ExecutionSettings
 
     require_kv_check(kv_check)
     if profile not in PROFILE_CHOICES:

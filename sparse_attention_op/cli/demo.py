@@ -21,11 +21,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .graphs import finish_model
-from .inputs import rotary_caches
-from .layouts import mask_to_csr, phi3_small_mask
-from .reference import sparse_attention_reference
-from .spec import DOMAIN, OP_TYPE
+from sparse_attention_op.testing.graphs import finish_model
+from sparse_attention_op.testing.inputs import rotary_caches
+from sparse_attention_op.op.layouts import mask_to_csr, phi3_small_mask
+from sparse_attention_op.op.reference import sparse_attention_reference
+from sparse_attention_op.op.spec import DOMAIN, OP_TYPE
+from sparse_attention_op.ort.graph import node_attributes
 
 DEFAULT_MODEL = Path("models") / "demo_decoder_attention.onnx"
 #: What ``make demo`` runs: the bundled multi-layer decoder (scripts/build_models.py).
@@ -102,7 +103,7 @@ def reference_step(model: onnx.ModelProto, feeds: dict) -> tuple[np.ndarray, np.
     """The same graph in float64 numpy, with the op's reference in the middle."""
     weights = {init.name: numpy_helper.to_array(init) for init in model.graph.initializer}
     node = next(n for n in model.graph.node if n.op_type == OP_TYPE)
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    attrs = node_attributes(node)
     qkv = feeds["hidden_states"].astype(np.float64) @ weights["w_qkv"]
     attention, present_key, present_value = sparse_attention_reference(
         qkv, None, None, feeds["past_key"], feeds["past_value"], weights["block_row_indices"], weights["block_col_indices"],
@@ -121,11 +122,11 @@ def run_demo(folder: Path | None = None, prompt_len: int = 40, steps: int = 24, 
     """
     import onnxruntime as ort
 
-    import sparse_attention_op as sao
-    from .decoder_models import BUNDLED_MODELS, decoder_reference, write_model_folder
-    from .generation import generate, prompt_logits
-    from .model_files import load, resolve
-    from .webgpu import get_context
+    from sparse_attention_op.ort.session import create_session
+    from sparse_attention_op.testing.decoder_models import BUNDLED_MODELS, decoder_reference, write_model_folder
+    from sparse_attention_op.generation.loop import generate, prompt_logits
+    from sparse_attention_op.generation.model_files import load, resolve
+    from sparse_attention_op.webgpu import get_context
 
     folder = Path(folder) if folder is not None else DEMO_FOLDER
     if not (folder / "genai_config.json").is_file() and folder == DEMO_FOLDER:
@@ -147,7 +148,7 @@ def run_demo(folder: Path | None = None, prompt_len: int = 40, steps: int = 24, 
     prompts = [[int(t) for t in rng.integers(2, vocab, n)] for n in lengths]
     printer(f"prompt: 2 rows of {lengths[0]} and {lengths[1]} tokens (the second right-padded), then {steps} new tokens per row")
 
-    session = sao.create_session(model, kv_check="fast")
+    session = create_session(model, kv_check="fast")
     logits, ids, _ = prompt_logits(session, prompts)
     logits = logits.astype(np.float64)
     expected = decoder_reference(model, ids, lengths)

@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .spec import DOMAIN, INPUT_NAMES, OP_TYPE, OUTPUT_NAMES
+from sparse_attention_op.op.spec import DOMAIN, INPUT_NAMES, OP_TYPE, OUTPUT_NAMES
 
 IR_VERSION = 10
 OPSET = 17
