@@ -32,11 +32,11 @@ $(STAMP): pyproject.toml
 
 # Ask wgpu itself whether it sees a native (Vulkan/Metal/D3D12) adapter; only when it sees
 # none, install lavapipe. OpenGL adapters do not count: the kernels need a native backend.
-# The question is about the machine, so a SPARSE_ATTENTION_OP_ADAPTER choice is left out
+# The question is about the machine, so an SAO_ADAPTER choice (or its old name) is left out
 # of it (one that matches nothing is reported, not answered with a driver install).
 vulkan: $(STAMP)
 	@$(PY) -c "import sparse_attention_op, wgpu"  # a broken install shows its own error, not "no adapter"
-	@if env -u SPARSE_ATTENTION_OP_ADAPTER $(PY) -m sparse_attention_op adapters --native >/dev/null 2>&1; then \
+	@if env -u SAO_ADAPTER -u SPARSE_ATTENTION_OP_ADAPTER $(PY) -m sparse_attention_op adapters --native >/dev/null 2>&1; then \
 	  echo "wgpu adapter: $$($(PY) -m sparse_attention_op adapters 2>&1 | head -n 1)"; \
 	else \
 	  echo "no wgpu adapter found: installing Mesa's software Vulkan driver (lavapipe)"; \

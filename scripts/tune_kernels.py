@@ -49,7 +49,8 @@ from sparse_attention_op.testing.inputs import CaseConfig, random_inputs  # noqa
 from sparse_attention_op.op.reference import apply_rotary, block_mask  # noqa: E402
 from sparse_attention_op.op.spec import OpAttributes, build_call  # noqa: E402
 from sparse_attention_op.webgpu import get_executor, kernels  # noqa: E402
-from sparse_attention_op.webgpu.executor import ExecutionSettings, WebGPUExecutor  # noqa: E402
+from sparse_attention_op.settings import SessionSettings  # noqa: E402
+from sparse_attention_op.webgpu.executor import WebGPUExecutor  # noqa: E402
 from sparse_attention_op.webgpu.programs import Binding, Dispatch, Program, _environment  # noqa: E402
 
 #: GPU work per timed call that the repetitions aim for, and their cap (decode is ~50 us).
@@ -284,7 +285,7 @@ def time_candidate(executor, call, case: Case, reps: int, repeats: int, warm_sec
     from the timed pass), then the repetitions as one timed pass: a timed pass costs about
     4 us even empty on the H200, which per-dispatch times count once per dispatch and the one
     pass spreads over the repetitions."""
-    settings = ExecutionSettings(profile=True)
+    settings = SessionSettings(profile="dispatches")
     node = f"tune/{case.label}"
     result = executor.run(call, node, settings)
     output = result.output
@@ -302,7 +303,7 @@ def time_candidate(executor, call, case: Case, reps: int, repeats: int, warm_sec
             clocks.append(clock.read())  # the SM clock as the call's repetitions end
     one_pass = None
     if whole_pass:
-        whole = ExecutionSettings(profile=True, profile_whole_pass=True)
+        whole = SessionSettings(profile="pass")
         passes = []
         for _ in range(reps):
             if warm:
@@ -401,7 +402,7 @@ def lavapipe_check(args) -> int:
     counts = visible_keys(inputs, attrs)
     causal = config.num_heads * seq_len * (seq_len + 1) / 2
     call = build_call(inputs, OpAttributes.from_mapping(attrs))
-    settings = ExecutionSettings(profile=True)
+    settings = SessionSettings(profile="dispatches")
     timings = []  # (candidate, wall, gpu, error)
     for name, fields in [c for c in PREFILL_CANDIDATES + ROWS_CANDIDATES if c[0] == "default" or c[0] in (args.only or [])]:
         candidate = WebGPUExecutor(executor.context, dataclasses.replace(executor.tuning, **fields))

@@ -47,10 +47,10 @@ def assert_matches_reference(outputs, inputs, attributes, what="", tol=TOLERANCE
 def run_executor(executor, inputs, attributes, node_key="test", float16_storage=False, **settings):
     """(output, present_key, present_value) of one executor call, presents built on the host
     as the bridge builds them; the call's stats as ``run_executor.last_stats``."""
-    from sparse_attention_op.webgpu.executor import ExecutionSettings
+    from sparse_attention_op.settings import SessionSettings
 
     call = build_call(inputs, OpAttributes.from_mapping(attributes), float16_storage=float16_storage)
-    result = executor.run(call, node_key, ExecutionSettings(**settings))
+    result = executor.run(call, node_key, SessionSettings(**settings))
     new_key = result.new_key if result.new_key is not None else call.new_rows("key")
     presents = scatter_presents(inputs["past_key"], inputs["past_value"], call.shape, new_key, call.new_rows("value"))
     run_executor.last_stats = result.stats

@@ -62,13 +62,13 @@ def test_info_reports_the_chosen_adapter(capsys):
 
 def test_an_adapter_choice_that_matches_nothing_is_named(capsys, monkeypatch):
     """Not "install a driver": the driver is there, the environment's choice is what is wrong."""
-    monkeypatch.setenv("SPARSE_ATTENTION_OP_ADAPTER", "no-such-adapter")
-    named = "SPARSE_ATTENTION_OP_ADAPTER='no-such-adapter' matches none of wgpu's adapters"
+    monkeypatch.setenv("SAO_ADAPTER", "no-such-adapter")
+    named = "SAO_ADAPTER='no-such-adapter' matches none of wgpu's adapters"
     code, _, err = run_cli(capsys, "adapters")
     assert_one_line_error(code, err, "adapters: error:", named)
     code, out, _ = run_cli(capsys, "info")
     assert code == 1 and named in out and "apt-get" not in out
-    monkeypatch.delenv("SPARSE_ATTENTION_OP_ADAPTER")
+    monkeypatch.delenv("SAO_ADAPTER")
     code, out, _ = run_cli(capsys, "adapters", "--native")
     assert code == 0 and out.strip()
 

@@ -27,7 +27,8 @@ from onnxruntime_extensions import get_library_path
 
 import sparse_attention_op as sao
 from sparse_attention_op.generation import genai as genai_module
-from sparse_attention_op.ort.bridge import BRIDGE_DOMAIN, BRIDGE_FORMAT, KV_CHECK_ATTRIBUTE
+from sparse_attention_op.ort.bridge import BRIDGE_DOMAIN, BRIDGE_FORMAT, SETTINGS_ATTRIBUTE
+from sparse_attention_op.settings import SessionSettings
 from sparse_attention_op.testing.decoder_models import DecoderConfig, write_model_folder
 
 # Three layers, the last a dense GroupQueryAttention one (Phi-3-small's mix); blocks of 16
@@ -115,8 +116,8 @@ def test_prepared_folder_copies_other_files_and_rewrites_the_model(source, prepa
         assert (prepared / name).read_bytes() == (source / name).read_bytes(), name
     model = onnx.load(str(prepared / "model.onnx"))
     assert not [n for n in model.graph.node if n.op_type == "SparseAttention"]
-    stamped = {dict((a.name, a.s.decode()) for a in node.attribute)[KV_CHECK_ATTRIBUTE] for node in bridge_nodes(model)}
-    assert stamped == {"fast"}
+    stamped = {SessionSettings.from_attribute(dict((a.name, a.s.decode()) for a in node.attribute)[SETTINGS_ATTRIBUTE]) for node in bridge_nodes(model)}
+    assert stamped == {SessionSettings(kv_check="fast")}
     # The dense layer stays ORT's GroupQueryAttention.
     assert [n.op_type for n in model.graph.node if n.op_type == "GroupQueryAttention"] == ["GroupQueryAttention"]
 
@@ -163,8 +164,8 @@ def test_exact_check_and_external_data_under_genai(og, source, prompts, tmp_path
     assert (target / "model.onnx.data").read_bytes() == (external / "model.onnx.data").read_bytes()
     prepared = onnx.load(str(target / "model.onnx"), load_external_data=False)
     assert any(onnx.external_data_helper.uses_external_data(t) for t in prepared.graph.initializer)
-    stamped = {dict((a.name, a.s.decode()) for a in node.attribute)[KV_CHECK_ATTRIBUTE] for node in bridge_nodes(prepared)}
-    assert stamped == {"exact"}
+    stamped = {SessionSettings.from_attribute(dict((a.name, a.s.decode()) for a in node.attribute)[SETTINGS_ATTRIBUTE]) for node in bridge_nodes(prepared)}
+    assert stamped == {SessionSettings(kv_check="exact")}
     ours = genai_generate(og, sao.load_genai_model(target), prompts)
     assert ours == genai_generate(og, og.Model(str(external)), prompts), "ORT's kernel on the external-data source"
 
@@ -390,7 +391,7 @@ def test_load_refuses_a_folder_of_another_bridge_format(prepared, tmp_path):
     del record["bridge_format"]  # as folders were written before the format was recorded
     record_path.unlink()  # a hard link: replace it, do not write through to `prepared`
     record_path.write_text(json.dumps(record))
-    with pytest.raises(RuntimeError, match="bridge format 1; this version runs format 3: prepare the folder again"):
+    with pytest.raises(RuntimeError, match=f"bridge format 1; this version runs format {BRIDGE_FORMAT}: prepare the folder again"):
         sao.load_genai_model(older)
 
 

@@ -83,14 +83,14 @@ def test_profiled_calls_time_every_dispatch_and_keep_their_results(executor, rng
     for config in (CaseConfig(seq_len=40, max_cache_len=64, sparse_block_size=8),  # a prompt: several passes
                    CaseConfig(seq_len=1, past_lengths=(40,), max_cache_len=64, sparse_block_size=8)):  # decode
         inputs = random_inputs(config, rng)
-        outputs = run_executor(executor, inputs, config.node_attributes(), "profiled", profile=True)
+        outputs = run_executor(executor, inputs, config.node_attributes(), "profiled", profile="dispatches")
         assert_matches_reference(outputs, inputs, config.node_attributes(), what=str(config))
         launches = executor.node_state("profiled").launch_plan.launches
         stats = run_executor.last_stats
         assert list(stats.gpu_seconds) == [launch.label for launch in launches]
         assert all(seconds > 0 for seconds in stats.gpu_seconds.values())
         # The whole call timed as the one pass it records: one time, the same results.
-        outputs = run_executor(executor, inputs, config.node_attributes(), "profiled", profile=True, profile_whole_pass=True)
+        outputs = run_executor(executor, inputs, config.node_attributes(), "profiled", profile="pass")
         assert_matches_reference(outputs, inputs, config.node_attributes(), what=f"{config}, one timed pass")
         assert list(run_executor.last_stats.gpu_seconds) == ["pass"] and run_executor.last_stats.gpu_seconds["pass"] > 0
 

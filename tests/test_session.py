@@ -11,7 +11,8 @@ from onnxruntime_extensions import get_library_path
 
 import sparse_attention_op as sao
 from helpers import assert_close, assert_matches_reference, graph_feeds, run_in_threads, run_ort_cpu
-from sparse_attention_op.ort.bridge import BRIDGE_DOMAIN, BRIDGE_FORMAT, KV_CHECK_ATTRIBUTE, NODE_KEY_ATTRIBUTE, OP_TYPES, node_kernels
+from sparse_attention_op.ort.bridge import BRIDGE_DOMAIN, BRIDGE_FORMAT, NODE_KEY_ATTRIBUTE, OP_TYPES, SETTINGS_ATTRIBUTE, node_kernels
+from sparse_attention_op.settings import SessionSettings
 from sparse_attention_op.cli.demo import build_demo_model, reference_step
 from sparse_attention_op.testing.graphs import sparse_attention_model
 from sparse_attention_op.testing.inputs import CaseConfig, random_inputs
@@ -44,7 +45,7 @@ def test_prepare_model_replaces_the_node_by_the_bridge_op(rng, dtype):
     assert [n.op_type for n in prepared.graph.node] == [OP_TYPES[np.dtype(dtype)]], "one node, nothing around it"
     attrs = node_attributes(kernel)
     assert attrs["scale"] == 0.0 and attrs["do_rotary"] == 0 and attrs["rotary_interleaved"] == 0
-    assert attrs[KV_CHECK_ATTRIBUTE] == b"fast"
+    assert SessionSettings.from_attribute(attrs[SETTINGS_ATTRIBUTE].decode()) == SessionSettings(kv_check="fast")
     assert attrs[NODE_KEY_ATTRIBUTE].decode().endswith(":sparse_attention")
     # The node's inputs and outputs, and the graph's interface, are unchanged.
     assert list(kernel.input) == list(node.input) and list(kernel.output) == list(node.output)
@@ -64,14 +65,14 @@ def test_a_prepared_model_is_refused(rng):
         with pytest.raises(sao.SparseAttentionError, match="the model is prepared already .* pass the original model"):
             attempt(prepared)
     del prepared.metadata_props[:]  # as models were prepared before the format was recorded
-    with pytest.raises(sao.SparseAttentionError, match="bridge format 1; this version runs format 3: prepare the original model"):
+    with pytest.raises(sao.SparseAttentionError, match=f"bridge format 1; this version runs format {BRIDGE_FORMAT}: prepare the original model"):
         sao.create_session(prepared)
     # Format 2: PyOps of the package's own domain around native nodes.
     older = onnx.helper.make_model(onnx.helper.make_graph(
         [onnx.helper.make_node("SparseAttentionPlan", ["x"], ["y"], domain="ai.sparse_attention_op")], "g",
         [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.INT64, [1])], [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.INT64, [1])]))
     older.metadata_props.add(key="sparse_attention_op.bridge_format", value="2")
-    with pytest.raises(sao.SparseAttentionError, match="bridge format 2; this version runs format 3"):
+    with pytest.raises(sao.SparseAttentionError, match=f"bridge format 2; this version runs format {BRIDGE_FORMAT}"):
         sao.prepare_model(older)
 
 

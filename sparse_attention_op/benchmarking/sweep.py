@@ -70,7 +70,7 @@ from sparse_attention_op.op.layouts import causal_mask, mask_to_csr, phi3_small_
 from sparse_attention_op.op.reference import block_mask
 from sparse_attention_op.op.spec import OpAttributes, SparseAttentionError, build_call
 from sparse_attention_op.webgpu import get_executor
-from sparse_attention_op.webgpu.executor import ExecutionSettings
+from sparse_attention_op.settings import SessionSettings
 
 EXTRA = "pip install 'sparse-attention-op[bench]'"
 TOLERANCE = {"f32": 2e-3, "f16": 1e-2}
@@ -179,7 +179,7 @@ class Row:
     call_samples_ms: list = field(default_factory=list)
     gpu_dispatch_ms: dict = field(default_factory=dict)  # median per dispatch label
     #: The same calls' dispatches timed as the one compute pass an untimed call records
-    #: (ExecutionSettings.profile_whole_pass): gpu_ms times each dispatch in a pass of its
+    #: (SessionSettings.profile == "pass"): gpu_ms times each dispatch in a pass of its
     #: own, and each timed pass costs the GPU a few microseconds even empty (BENCHMARKS.md).
     one_pass_ms: float | None = None
 
@@ -271,7 +271,7 @@ def run_webgpu(case: Case, inputs: dict, reps: int, whole_pass: bool = False):
     executor = get_executor()
     attributes = OpAttributes.from_mapping(case.config().node_attributes())
     node_key = f"bench/{case.shape_key}/{case.cache}"
-    settings = ExecutionSettings(profile=True, profile_whole_pass=whole_pass)
+    settings = SessionSettings(profile="pass" if whole_pass else "dispatches")
     f16 = case.cache == "f16"
     results = []
     try:

@@ -32,7 +32,7 @@ def info(args: argparse.Namespace) -> int:
         _write_json(report, args.json)
         return 0 if report["chosen"] else 1
     print(format_table(["package", "version"], list(report["versions"].items())))
-    print("\nadapters (best first; SPARSE_ATTENTION_OP_ADAPTER picks another):")
+    print("\nadapters (best first; SAO_ADAPTER picks another):")
     if not report["adapters"]:
         from sparse_attention_op.webgpu.device import no_adapter_reason
 

@@ -38,7 +38,8 @@ from typing import Iterator
 import onnx
 from onnxruntime_extensions import get_library_path
 
-from sparse_attention_op.ort.bridge import BRIDGE_FORMAT, register, require_kv_check
+from sparse_attention_op.ort.bridge import BRIDGE_FORMAT, register
+from sparse_attention_op.settings import SessionSettings
 from sparse_attention_op.ort.graph import all_nodes, is_sparse_attention
 from sparse_attention_op.ort.model import bridge_format, load_constant_layouts, prepare_model
 from sparse_attention_op.generation.model_files import GENAI_CONFIG
@@ -65,7 +66,7 @@ def prepare_genai_folder(source, target, *, kv_check: str = "fast", overwrite: b
     opens it, the process must have called :func:`sparse_attention_op.register` (or use
     :func:`load_genai_model`). Returns ``target`` as a Path.
     """
-    require_kv_check(kv_check)
+    SessionSettings(kv_check=kv_check)  # raises SettingsError (a ValueError) naming the setting
     source, target = Path(source), Path(target)
     config = _read_config(source, "source")
     _check_target(source, target, overwrite)

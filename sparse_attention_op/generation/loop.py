@@ -30,7 +30,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from sparse_attention_op.ort.bridge import require_kv_check
+from sparse_attention_op.settings import SessionSettings, SettingsError
 from sparse_attention_op.op.spec import INPUT_NAMES
 from sparse_attention_op.ort.graph import (ModelLike, declared_head_size, declared_tensors, is_group_query_attention, is_sparse_attention,
                                          load_model, node_attributes)
@@ -223,7 +223,10 @@ def generate(
         raise GenerationError(f"pad_token_id must be an int >= 0, got {pad_token_id!r}")
     if on_step is not None and not callable(on_step):
         raise GenerationError(f"on_step must be callable (step, new_tokens) or None, got {type(on_step).__name__}")
-    require_kv_check(kv_check, GenerationError)
+    try:
+        SessionSettings(kv_check=kv_check)
+    except SettingsError as error:
+        raise GenerationError(str(error)) from None
     if cache_dims is not None and (len(tuple(cache_dims)) != 2 or not all(_is_int(d) and d > 0 for d in cache_dims)):
         raise GenerationError(f"cache_dims must be (kv_heads, head_size), two ints > 0, got {cache_dims!r}")
     rows = _prompt_rows(prompts, attention_mask)

@@ -3,8 +3,8 @@ one validated call to the executor, ORT's output buffers written.
 
 prepare_model (model.py) replaces each ``com.microsoft::SparseAttention`` node by one node
 of this module's op, ``ai.onnx.contrib::SparseAttentionWebGPU`` (``...Float16`` for float16
-nodes), with the same inputs and outputs and the node's identity and cache check stamped
-on as attributes. The op is a custom op of ORT's C ABI whose kernel is Python
+nodes), with the same inputs and outputs and the node's identity and its session's settings
+(settings.py) stamped on as attributes. The op is a custom op of ORT's C ABI whose kernel is Python
 (custom_op.py), so it reads every input where ORT holds it and writes every output into the
 buffer ORT gives it: no tensor is copied to cross, whatever its size (docs/design.md section
 4). Per call:
@@ -40,6 +40,7 @@ from sparse_attention_op.ort import extensions as _ortx_compat
 from sparse_attention_op.ort import custom_op
 from sparse_attention_op.ort.custom_op import FLOAT, FLOAT16, INT32, OpDeclaration, Slot
 from sparse_attention_op.ort.presents import copy_past, write_rows
+from sparse_attention_op.settings import SessionSettings, SettingsError
 from sparse_attention_op.op.spec import (INPUT_NAMES, SHAPED_INPUTS, CallShape, OpAttributes, SparseAttentionCall, SparseAttentionError, assemble_call, describe_lengths,
                    describe_shapes, new_rows)
 
@@ -51,25 +52,17 @@ OP_TYPES = {np.dtype(np.float32): "SparseAttentionWebGPU", np.dtype(np.float16):
 
 #: The bridge op's interface. Prepared models and GenAI folders record it (model.py,
 #: genai.py), and one prepared under another format is refused with a message to prepare
-#: it again. 1: until 2026-12-02; 2: PyOps around native nodes, until 2026-12-05; 3: one
-#: custom op per node, with the operator's own inputs and outputs.
-BRIDGE_FORMAT = 3
+#: it again. 1 and 2: PyOps; 3: one custom op per node, with the operator's own inputs and
+#: outputs, and the cache check as an attribute; 4: all of a session's settings as one attribute.
+BRIDGE_FORMAT = 4
 #: Attributes prepare_model stamps on each node, besides the operator's own.
 NODE_KEY_ATTRIBUTE = "sao_node_key"  # "<session token>/<node identity>"
-KV_CHECK_ATTRIBUTE = "sao_kv_check"  # "exact" or "fast"
-KV_CHECKS = ("exact", "fast")
-
-
-def require_kv_check(kv_check, error: type[Exception] = ValueError) -> None:
-    """The one check of a caller's ``kv_check`` argument (create_session, prepare_model,
-    prepare_genai_folder, generate), raised as ``error``."""
-    if kv_check not in KV_CHECKS:
-        raise error(f"kv_check must be one of {KV_CHECKS}, got {kv_check!r}")
+SETTINGS_ATTRIBUTE = "sao_settings"  # SessionSettings.to_attribute()
 
 
 _ATTRIBUTES = (
     ("num_heads", int), ("kv_num_heads", int), ("sparse_block_size", int), ("scale", float), ("do_rotary", int),
-    ("rotary_interleaved", int), (NODE_KEY_ATTRIBUTE, str), (KV_CHECK_ATTRIBUTE, str),
+    ("rotary_interleaved", int), (NODE_KEY_ATTRIBUTE, str), (SETTINGS_ATTRIBUTE, str),
 )
 _QUERY, _KEY, _VALUE, _PAST_KEY, _PAST_VALUE, _ROWS, _COLS, _TOTAL, _KEY_TOTALS, _COS, _SIN = range(len(INPUT_NAMES))
 _OPTIONAL = (_KEY, _VALUE, _COS, _SIN)
@@ -82,7 +75,7 @@ def session_token(node_key: str) -> str:
 
 
 class SessionRecords:
-    """Per-session settings, and per (session, thread) the last run's error and stats.
+    """Per (session, thread), the last run's error and stats, for the sessions that collect them.
 
     Keyed by thread: ORT runs a node on the thread that called ``run`` (sequential
     execution, which create_session requires), so concurrent runs of one session from
@@ -92,26 +85,26 @@ class SessionRecords:
     """
 
     def __init__(self):
-        self._settings: dict[str, object] = {}
+        self._open: set[str] = set()
         self._errors: dict[tuple[str, int], BaseException] = {}
         self._stats: dict[tuple[str, int], dict] = {}
         self._lock = threading.Lock()
 
-    def open(self, token: str, settings) -> None:
-        self._settings[token] = settings
+    def open(self, token: str) -> None:
+        self._open.add(token)
 
     def close(self, token: str) -> None:
         with self._lock:
-            self._settings.pop(token, None)
+            self._open.discard(token)
             for table in (self._errors, self._stats):
                 for key in [k for k in table if k[0] == token]:
                     del table[key]
 
-    def settings(self, token: str):
-        return self._settings.get(token)
+    def collects(self, token: str) -> bool:
+        return token in self._open
 
     def record_error(self, token: str, error: BaseException) -> None:
-        if token not in self._settings:
+        if token not in self._open:
             return
         with self._lock:
             # The first error of a run is the one to report; later nodes fail because of it.
@@ -122,7 +115,7 @@ class SessionRecords:
             return self._errors.pop((token, threading.get_ident()), None)
 
     def record_stats(self, token: str, node_key: str, stats) -> None:
-        if token in self._settings:
+        if token in self._open:
             with self._lock:  # close() walks the table on whatever thread collects the session
                 self._stats.setdefault((token, threading.get_ident()), {})[node_key.split("/", 1)[1]] = stats
 
@@ -141,7 +134,7 @@ class NodeKernel:
     attributes: OpAttributes
     node_key: str
     dtype: np.dtype  # the node's T
-    kv_check: str
+    settings: SessionSettings
     constant_layout: bool  # the layout's two tensors are initializers (the executor keeps it once seen)
     #: describe_shapes' verdicts by the inputs' shapes (_describe), the node's own: keyed by
     #: the shapes alone, whose hash is C's, not the attributes' dataclass hash.
@@ -159,14 +152,15 @@ class NodeKernel:
 def _kernel_factory(dtype: np.dtype):
     def create(attributes: dict, constant_inputs: set) -> NodeKernel:
         raw = dict(attributes)
-        kv_check = raw.pop(KV_CHECK_ATTRIBUTE, "exact")
-        if kv_check not in KV_CHECKS:
-            raise SparseAttentionError(f"{KV_CHECK_ATTRIBUTE} must be one of {KV_CHECKS}, got {kv_check!r}")
+        try:
+            settings = SessionSettings.from_attribute(raw.pop(SETTINGS_ATTRIBUTE, ""))
+        except SettingsError as error:
+            raise SparseAttentionError(f"{SETTINGS_ATTRIBUTE}: {error}") from None
         return NodeKernel(
             attributes=OpAttributes.from_mapping(raw),
             node_key=raw.pop(NODE_KEY_ATTRIBUTE, "") or "unnamed/unnamed",
             dtype=dtype,
-            kv_check=kv_check,
+            settings=settings,
             constant_layout={_ROWS, _COLS} <= constant_inputs,
         )
 
@@ -200,19 +194,6 @@ def _executor():
     return _process_executor
 
 
-def _settings(kernel: NodeKernel):
-    """The node's session's settings; for a plain InferenceSession over prepare_model's
-    output (ORT GenAI's), the executor's DEFAULT_SETTINGS: one object for all calls, since a
-    decode step is replayed only under the settings object of the call it replays
-    (webgpu/steady.py)."""
-    settings = records.settings(kernel.token)
-    if settings is None:
-        from sparse_attention_op.webgpu.executor import DEFAULT_SETTINGS
-
-        settings = DEFAULT_SETTINGS
-    return settings
-
-
 _SHAPED_SLOTS = tuple(INPUT_NAMES.index(name) for name in SHAPED_INPUTS)
 
 
@@ -227,7 +208,7 @@ def compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
         # are views of ORT's tensors, which ORT frees when the run returns: a debugger or
         # a traceback printer reading them then would read freed memory. So they go.
         _drop_locals(error)
-        if records.settings(kernel.token) is None:
+        if not records.collects(kernel.token):
             log.error("SparseAttention node %s refused a call: %s", kernel.node_key.split("/", 1)[-1], error)
         records.record_error(kernel.token, error)
         raise
@@ -250,6 +231,7 @@ def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
     shape = _describe(kernel, shapes, tensors[_TOTAL], tensors[_KEY_TOTALS])
     past_key, past_value = tensors[_PAST_KEY], tensors[_PAST_VALUE]
     rotary = shape.attributes.do_rotary
+    settings = kernel.settings
     executor = _executor()
     known_layout = kernel.constant_layout and executor.knows_layout(kernel.node_key)
     as_f32 = _float32 if kernel.float16 else _as_is
@@ -292,12 +274,11 @@ def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
             None if known_layout else tensors[_ROWS],
             None if known_layout else tensors[_COLS],
             float16_storage=kernel.float16,
-            fast_check=kernel.kv_check == "fast" and not shape.is_prompt,
+            fast_check=settings.kv_check == "fast" and not shape.is_prompt,
         )
 
     inputs_done = time.perf_counter()
-    settings = _settings(kernel)
-    replayable = kernel.kv_check == "fast" and kernel.constant_layout
+    replayable = settings.kv_check == "fast" and kernel.constant_layout
     result = None
     if replayable and known_layout and not shape.is_prompt:
         # A decode step like the node's last one replays it (webgpu/steady.py); None: it cannot.

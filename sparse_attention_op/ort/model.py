@@ -19,7 +19,8 @@ from typing import Union
 import onnx
 from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
-from sparse_attention_op.ort.bridge import BRIDGE_DOMAIN, BRIDGE_FORMAT, OP_TYPES, require_kv_check
+from sparse_attention_op.ort.bridge import BRIDGE_DOMAIN, BRIDGE_FORMAT, OP_TYPES
+from sparse_attention_op.settings import SessionSettings
 from sparse_attention_op.ort.graph import ModelLike, all_graphs, constant_tensors, is_sparse_attention, load_model, node_attributes, tensor_types
 from sparse_attention_op.ort.rewrite import NodePlan, expand
 from sparse_attention_op.op.spec import DOMAIN, FLOAT_INPUTS, INPUT_NAMES, OPTIONAL_INPUTS, OP_TYPE, OpAttributes, SparseAttentionError, check_layout
@@ -29,14 +30,16 @@ _INT_INPUTS = [name for name in INPUT_NAMES if name not in FLOAT_INPUTS]
 FORMAT_KEY = "sparse_attention_op.bridge_format"
 
 
-def prepare_model(model: ModelLike, *, session_token: str | None = None, kv_check: str = "exact") -> onnx.ModelProto:
+def prepare_model(model: ModelLike, *, session_token: str | None = None, kv_check: str = "exact", profile: bool | str = False,
+                  f16_cache: bool = True) -> onnx.ModelProto:
     """Return a copy of ``model`` whose SparseAttention nodes the bridge runs.
 
     ``session_token`` prefixes every node identity; each call without one draws a fresh
-    token, so two models prepared separately never share GPU state. ``kv_check`` is the
-    resident cache's check, ``"exact"`` or ``"fast"`` (see create_session).
+    token, so two models prepared separately never share GPU state. ``kv_check``,
+    ``profile`` and ``f16_cache`` are the session's settings (see create_session), stamped
+    on every node; a bad one raises :class:`~sparse_attention_op.settings.SettingsError`.
     """
-    require_kv_check(kv_check)
+    settings = SessionSettings.of(kv_check=kv_check, profile=profile, f16_cache=f16_cache)
     prepared = load_model(model)
     check_not_prepared(prepared)
     token = session_token or uuid.uuid4().hex
@@ -48,7 +51,7 @@ def prepare_model(model: ModelLike, *, session_token: str | None = None, kv_chec
     for graph in all_graphs(main):
         for index, node in enumerate(graph.node):
             if is_sparse_attention(node):
-                plan = _plan(node, f"{token}/{count}:{node.name}", kv_check, types, constants | set(constant_tensors(graph)), main, graph)
+                plan = _plan(node, f"{token}/{count}:{node.name}", settings, types, constants | set(constant_tensors(graph)), main, graph)
                 graph.node[index].CopyFrom(expand(plan))
                 count += 1
     if count:
@@ -78,7 +81,7 @@ def bridge_format(model: onnx.ModelProto) -> int | None:
 def check_not_prepared(model: onnx.ModelProto) -> None:
     """Refuse a model that holds the bridge's ops already. Its nodes carry the identity of the
     session or folder it was prepared for: a session of it would share that GPU state, keep
-    that kv_check, and its refused calls would not reach it as exceptions. One prepared for
+    those settings, and its refused calls would not reach it as exceptions. One prepared for
     another bridge format is named as such: its ops' inputs and outputs are not this version's."""
     found = bridge_format(model)
     if found is not None and found != BRIDGE_FORMAT:
@@ -99,7 +102,7 @@ def _set_metadata(model: onnx.ModelProto, key: str, value: str) -> None:
     model.metadata_props.add(key=key, value=value)
 
 
-def _plan(node, node_key: str, kv_check: str, types: dict, constants: set, *graphs) -> NodePlan:
+def _plan(node, node_key: str, settings: SessionSettings, types: dict, constants: set, *graphs) -> NodePlan:
     label = f"SparseAttention node '{node.name or node_key}'"
     try:
         attributes = OpAttributes.from_mapping(node_attributes(node))
@@ -123,7 +126,7 @@ def _plan(node, node_key: str, kv_check: str, types: dict, constants: set, *grap
     layout = (named["block_row_indices"], named["block_col_indices"])
     if all(name in constants for name in layout):  # checked once here, not per call
         _check_constant_layout(label, layout, graphs)
-    return NodePlan(node=node, attributes=attributes, node_key=node_key, kv_check=kv_check, float16=float16)
+    return NodePlan(node=node, attributes=attributes, node_key=node_key, settings=settings, float16=float16)
 
 
 def _float_type(label: str, named: dict, types: dict) -> int:

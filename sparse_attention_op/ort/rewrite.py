@@ -4,7 +4,7 @@ The bridge's op (bridge.py) takes the operator's eleven inputs and gives its thr
 as they are, so the rewrite changes only what names the node's implementation: the op type
 and domain (``ai.onnx.contrib::SparseAttentionWebGPU``, or ``...Float16`` for a float16
 node), and the attributes that say which GPU state the node owns (its identity) and how it
-checks the past it is fed. The graph around it, and its inputs and outputs, stay as the
+which settings its session chose. The graph around it, and its inputs and outputs, stay as the
 model has them.
 """
 
@@ -16,8 +16,9 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from sparse_attention_op.ort.bridge import BRIDGE_DOMAIN, KV_CHECK_ATTRIBUTE, NODE_KEY_ATTRIBUTE, OP_TYPES
+from sparse_attention_op.ort.bridge import BRIDGE_DOMAIN, NODE_KEY_ATTRIBUTE, OP_TYPES, SETTINGS_ATTRIBUTE
 from sparse_attention_op.op.spec import OpAttributes
+from sparse_attention_op.settings import SessionSettings
 
 
 @dataclass
@@ -27,7 +28,7 @@ class NodePlan:
     node: onnx.NodeProto
     attributes: OpAttributes
     node_key: str
-    kv_check: str
+    settings: SessionSettings
     float16: bool
 
 
@@ -36,5 +37,5 @@ def expand(plan: NodePlan) -> onnx.NodeProto:
     node = plan.node
     return helper.make_node(
         OP_TYPES[np.dtype(np.float16 if plan.float16 else np.float32)], list(node.input), list(node.output), name=node.name,
-        domain=BRIDGE_DOMAIN, **plan.attributes.node_attributes(), **{NODE_KEY_ATTRIBUTE: plan.node_key, KV_CHECK_ATTRIBUTE: plan.kv_check},
+        domain=BRIDGE_DOMAIN, **plan.attributes.node_attributes(), **{NODE_KEY_ATTRIBUTE: plan.node_key, SETTINGS_ATTRIBUTE: plan.settings.to_attribute()},
     )

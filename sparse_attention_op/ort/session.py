@@ -9,9 +9,10 @@ import weakref
 import onnxruntime as ort
 from onnxruntime_extensions import get_library_path
 
-from sparse_attention_op.ort.bridge import forget_session, records, register, require_kv_check
+from sparse_attention_op.ort.bridge import forget_session, records, register
 from sparse_attention_op.ort.model import ModelLike, prepare_model
 from sparse_attention_op.op.spec import SparseAttentionError
+from sparse_attention_op.settings import SessionSettings
 
 #: Marks SessionOptions that already carry the extensions library: registering it twice on
 #: one options object makes session creation fail ("Conflicting with a registered kernel").
@@ -82,14 +83,17 @@ class SparseAttentionSession(ort.InferenceSession):
     ``profile``, ``f16_cache``) belong to the session.
     """
 
-    def __init__(self, model_bytes: bytes, sess_options, providers, token: str, settings, kv_check: str):
-        records.open(token, settings)
+    def __init__(self, model_bytes: bytes, sess_options, providers, token: str, settings: SessionSettings):
+        records.open(token)
         self.sparse_attention_token = token
-        self.kv_check = kv_check
         self.settings = settings
         self._finalizer = weakref.finalize(self, _close_session, token)
         self._local = threading.local()
         super().__init__(model_bytes, sess_options=sess_options, providers=providers)
+
+    @property
+    def kv_check(self) -> str:
+        return self.settings.kv_check
 
     def last_stats(self) -> dict:
         """Per SparseAttention node, what its call did in this thread's last run:
@@ -163,13 +167,12 @@ def create_session(
     Model-level faults raise :class:`~sparse_attention_op.op.spec.SparseAttentionError` here;
     call-level faults raise it from ``run``, and the session keeps working afterwards.
     """
-    from sparse_attention_op.webgpu.executor import ExecutionSettings
-
-    require_kv_check(kv_check)
     if profile not in PROFILE_CHOICES:
         raise ValueError(f"profile must be one of {PROFILE_CHOICES}, got {profile!r}")
+    settings = SessionSettings.of(kv_check=kv_check, profile=profile, f16_cache=f16_cache)
     token = uuid.uuid4().hex
-    prepared = prepare_model(model, session_token=token, kv_check=kv_check)
+    prepared = prepare_model(model, session_token=token, kv_check=settings.kv_check, profile=settings.profile,
+                             f16_cache=settings.f16_cache)
     register()
     try:
         return SparseAttentionSession(
@@ -177,8 +180,7 @@ def create_session(
             session_options(sess_options),
             providers or ["CPUExecutionProvider"],
             token,
-            ExecutionSettings(profile=bool(profile), profile_whole_pass=profile == "pass", f16_cache=f16_cache),
-            kv_check,
+            settings,
         )
     except Exception as error:
         if "Conflicting with a registered kernel" not in str(error):

@@ -25,12 +25,13 @@ per node for what must survive between calls.
 from __future__ import annotations
 
 import functools
-import os
+
 from typing import NamedTuple
 
 import numpy as np
 import wgpu
 
+from sparse_attention_op.settings import environment_int
 from sparse_attention_op.webgpu import host_threads
 from sparse_attention_op.webgpu import recording
 from sparse_attention_op.webgpu.mapping import mapped
@@ -45,7 +46,7 @@ _PACK_BYTES = 1 << 18
 #: Uploads above this size go through our own mapped staging buffer (measured on the H200
 #: host: fresh staging memory faults in at a few GB/s; SAO_STAGING_BYTES overrides, for
 #: measuring the two paths).
-STAGING_BYTES = int(os.environ.get("SAO_STAGING_BYTES", 4 << 20))
+STAGING_BYTES = environment_int("SAO_STAGING_BYTES", 4 << 20)
 #: Staging buffers are kept between calls up to this size; a larger one (an upload moved
 #: whole) is made for its call and freed after it.
 _KEEP_BYTES = 512 << 20

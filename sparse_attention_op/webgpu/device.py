@@ -3,20 +3,21 @@
 One device serves every session of the process: pipelines and the adapter's limits are
 per device, and wgpu-native serialises queue work anyway. The adapter is the best one
 found (native backends before OpenGL, then discrete > integrated > virtual > CPU) unless
-``SPARSE_ATTENTION_OP_ADAPTER`` names a substring of the wanted adapter's description.
+``SAO_ADAPTER`` names a substring of the wanted adapter's description.
 wgpu's own ``WGPU_BACKEND_TYPE`` still restricts which backends are enumerated.
 """
 
 from __future__ import annotations
 
-import os
+
 from dataclasses import dataclass
 
 import wgpu
 
+from sparse_attention_op.settings import environment, environment_name
 from sparse_attention_op.webgpu.process_wide import ProcessWide
 
-ADAPTER_ENV = "SPARSE_ATTENTION_OP_ADAPTER"
+ADAPTER_ENV = "SAO_ADAPTER"
 
 _TYPE_RANK = {"DiscreteGPU": 0, "IntegratedGPU": 1, "VirtualGPU": 2, "CPU": 3}
 _BACKEND_RANK = {"Vulkan": 0, "Metal": 0, "D3D12": 0, "OpenGL": 2}
@@ -72,7 +73,7 @@ def list_adapters(*, chosen_by_environment: bool = True) -> list:
     """Adapters in preference order (best first), after the environment's filter
     (``chosen_by_environment=False``: every adapter wgpu enumerates)."""
     adapters = list(wgpu.gpu.enumerate_adapters_sync())
-    wanted = os.environ.get(ADAPTER_ENV, "").strip().lower()
+    wanted = environment(ADAPTER_ENV).strip().lower()
     if wanted and chosen_by_environment:
         adapters = [a for a in adapters if wanted in describe(a).lower() or wanted in a.summary.lower()]
 
@@ -87,11 +88,11 @@ def list_adapters(*, chosen_by_environment: bool = True) -> list:
 def no_adapter_reason() -> str:
     """Why :func:`list_adapters` came back empty, and what to do: a choice in the environment
     that matches nothing is named with what it could match (installing a driver would not help)."""
-    wanted = os.environ.get(ADAPTER_ENV, "").strip()
+    wanted = environment(ADAPTER_ENV).strip()
     if wanted:
         present = [describe(a) for a in list_adapters(chosen_by_environment=False)]
         if present:
-            return (f"{ADAPTER_ENV}={wanted!r} matches none of wgpu's adapters ({'; '.join(present)}): "
+            return (f"{environment_name(ADAPTER_ENV)}={wanted!r} matches none of wgpu's adapters ({'; '.join(present)}): "
                     "unset it, or set it to part of one of those names")
     return ("wgpu found no GPU adapter. On a machine without a GPU install Mesa's software Vulkan driver "
             "(Debian/Ubuntu: apt-get install mesa-vulkan-drivers), or run `make setup`")

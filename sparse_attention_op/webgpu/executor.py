@@ -37,6 +37,7 @@ from sparse_attention_op.op.spec import CallShape, SparseAttentionCall, SparseAt
 from sparse_attention_op.webgpu import kernels
 from sparse_attention_op.webgpu import recording
 from sparse_attention_op.webgpu.buffers import STAGING_BYTES, STORAGE_IN, STORAGE_OUT, UNIFORM, BufferPool, Download, GpuBufferError, StepLayout, Upload, aligned, step_layout
+from sparse_attention_op.settings import DEFAULT_SETTINGS, SessionSettings
 from sparse_attention_op.webgpu.device import GpuContext, get_context
 from sparse_attention_op.webgpu.kv_cache import ResidentCache
 from sparse_attention_op.webgpu.process_wide import ProcessWide
@@ -47,28 +48,6 @@ from sparse_attention_op.webgpu.tuning import Tuning, choose_tuning
 
 class GpuExecutionError(RuntimeError):
     """The GPU failed a call (device lost, out of memory, driver error); the node is reset."""
-
-
-@dataclass(frozen=True)
-class ExecutionSettings:
-    """Per-session choices (create_session's keywords); the executor holds none of its own."""
-
-    #: Time every dispatch with GPU timestamps (where the adapter has them): CallStats.gpu_seconds.
-    profile: bool = False
-    #: With ``profile``, time the call's dispatches as the one pass that untimed calls record
-    #: (CallStats.gpu_seconds == {"pass": seconds}) instead of one timed pass per dispatch:
-    #: each timed pass costs the H200 about 4 us even empty (BENCHMARKS.md, 2026-12-02 fourth),
-    #: which per-dispatch times count once per dispatch. Without ``profile`` it does nothing.
-    profile_whole_pass: bool = False
-    #: Keep float16-storage nodes' caches as f16 on adapters with shader-f16 (measured
-    #: faster, BENCHMARKS.md); lossless there, since every cached value is an f16 value.
-    f16_cache: bool = True
-
-
-#: The settings of a call that names none, and of nodes in sessions create_session did not
-#: make (the bridge's): one object, since a replay serves only the settings object of the
-#: call it replays (steady.py).
-DEFAULT_SETTINGS = ExecutionSettings()
 
 
 @dataclass
@@ -187,7 +166,7 @@ class WebGPUExecutor:
     def knows_layout(self, node_key: str) -> bool:
         return node_key in self._layouts
 
-    def run(self, call: SparseAttentionCall, node_key: str = "default", settings: ExecutionSettings = DEFAULT_SETTINGS,
+    def run(self, call: SparseAttentionCall, node_key: str = "default", settings: SessionSettings = DEFAULT_SETTINGS,
             *, reuse_host_arrays: bool = False, output: np.ndarray | None = None,
             while_gpu_runs: Callable[[], None] | None = None, replayable: bool = False) -> CallResult:
         """Execute one call: the output, and the rotated new key rows when rotary is on.
@@ -212,7 +191,7 @@ class WebGPUExecutor:
         result.stats.seconds = time.perf_counter() - start
         return result
 
-    def _run_locked(self, call: SparseAttentionCall, node_key: str, settings: ExecutionSettings, reuse_host_arrays: bool,
+    def _run_locked(self, call: SparseAttentionCall, node_key: str, settings: SessionSettings, reuse_host_arrays: bool,
                     output: np.ndarray | None, while_gpu_runs: Callable[[], None] | None, replayable: bool) -> CallResult:
         """run() under the executor's lock."""
         shape = call.shape
@@ -229,7 +208,7 @@ class WebGPUExecutor:
             self._layouts[node_key] = plan
         return result
 
-    def replay(self, node_key: str, settings: ExecutionSettings, shape: CallShape, query: np.ndarray, key: np.ndarray | None,
+    def replay(self, node_key: str, settings: SessionSettings, shape: CallShape, query: np.ndarray, key: np.ndarray | None,
                value: np.ndarray | None, past_key: np.ndarray, past_value: np.ndarray, cos_table: np.ndarray | None,
                sin_table: np.ndarray | None, make_call: Callable[[], SparseAttentionCall], *, output: np.ndarray | None = None,
                while_gpu_runs: Callable[[], None] | None = None) -> CallResult | None:
@@ -317,7 +296,7 @@ class WebGPUExecutor:
         and reads back through, the cache's buffers, the launches and the uploaded layout."""
         return (self._scratch.generation, state.buffers.generation, state.cache.key, state.launch_plan, state.uploaded_plan)
 
-    def _cache_dtype(self, float16_storage: bool, settings: ExecutionSettings):
+    def _cache_dtype(self, float16_storage: bool, settings: SessionSettings):
         f16 = settings.f16_cache and float16_storage and "shader-f16" in self.context.features
         return np.float16 if f16 else np.float32
 
@@ -389,7 +368,7 @@ class WebGPUExecutor:
         per thread and reused by every call (warm in the CPU's caches, unlike a fresh one)."""
         return self._host_array("packed_inputs", (nbytes,), True, np.uint8)
 
-    def _execute(self, call: SparseAttentionCall, state: NodeState, plan: BlockPlan, dtype, settings: ExecutionSettings,
+    def _execute(self, call: SparseAttentionCall, state: NodeState, plan: BlockPlan, dtype, settings: SessionSettings,
                  dispatch: DispatchFacts, reuse_host_arrays: bool = False, output: np.ndarray | None = None,
                  while_gpu_runs: Callable[[], None] | None = None, replayable: bool = False) -> CallResult:
         device, shape = self.context.device, call.shape
@@ -458,7 +437,7 @@ class WebGPUExecutor:
 
         # 3. One command buffer: the uploads, every dispatch, then the read-back copies.
         tick = time.perf_counter()
-        timed = settings.profile and "timestamp-query" in self.context.features
+        timed = settings.profiled and "timestamp-query" in self.context.features
         download = Download(self._scratch, device, self.tuning.map_spin_seconds, self.tuning.transfer_chunk_bytes)
         for (_, array), (_, offset, nbytes) in zip(results, layout.results):
             download.add(array, BufferRange(results_buffer, offset, nbytes))

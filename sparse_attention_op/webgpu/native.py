@@ -15,9 +15,11 @@ Compiling goes around them once too: shader modules without Naga's runtime check
 
 from __future__ import annotations
 
-import os
+
 
 import wgpu
+
+from sparse_attention_op.settings import environment
 
 try:  # wgpu-py's native backend: its cffi handle, the library functions it binds, its error sink.
     from wgpu.backends.wgpu_native._api import GPUShaderModule, error_handler, libf, new_struct_p, to_c_string_view
@@ -78,7 +80,7 @@ class ErrorCapture:
 
 def enabled(variable: str) -> bool:
     """Whether a direct path is on: the internals exist and ``variable`` is not ``public``."""
-    return AVAILABLE and os.environ.get(variable) != "public"
+    return AVAILABLE and environment(variable) != "public"
 
 
 #: Whether wgpu-native can create a shader module without Naga's runtime checks.

@@ -73,7 +73,7 @@ class SteadyDecode:
     def serves(self, shape: CallShape, settings, plan, validity: tuple, tuning, record) -> bool:
         """Whether this call can be replayed: the same shapes, settings, layout and dispatches,
         nothing moved, and lengths the cache holds, every row with history (plain ints)."""
-        return (shape.facts is self.facts and settings is self.settings and plan is self.plan and validity == self.validity
+        return (shape.facts is self.facts and settings == self.settings and plan is self.plan and validity == self.validity
                 and shape.rows_written <= self.cache_rows and kernels.same_dispatch_key(self.dispatch_key, shape, tuning)
                 and min(shape.past_lengths) > 0 and record.holds_lengths(shape.past_lengths))
 

@@ -37,10 +37,11 @@ project's 2-core machine (--quick and --lavapipe-check).
 from __future__ import annotations
 
 import dataclasses
-import os
+
 from dataclasses import dataclass
 
 from sparse_attention_op.op.spec import CallShape
+from sparse_attention_op.settings import environment_flag, environment_int
 
 SIMPLE, TILED, SPLIT, ROWS = "simple", "tiled", "split", "rows"
 
@@ -526,9 +527,9 @@ def choose_tuning(limits: dict, features: frozenset, adapter_type: str | None = 
         tuning = dataclasses.replace(tuning, map_spin_seconds=0.0, **CPU_DECODE_FIELDS)
     if cpu and "subgroup" in features:
         tuning = dataclasses.replace(tuning, **CPU_PREFILL_FIELDS)
-    if os.environ.get("SAO_SHADER_CHECKS", "") not in ("", "0"):
+    if environment_flag("SAO_SHADER_CHECKS"):
         tuning = dataclasses.replace(tuning, shader_runtime_checks=True)
-    chunk = int(os.environ.get("SAO_TRANSFER_CHUNK_BYTES", tuning.transfer_chunk_bytes))
+    chunk = environment_int("SAO_TRANSFER_CHUNK_BYTES", tuning.transfer_chunk_bytes)
     # A chunk's buffers come from a pool that refuses buffers beyond the binding limit.
     return dataclasses.replace(tuning, transfer_chunk_bytes=min(chunk, binding_bytes) if chunk > 0 else 0)
 
