@@ -30,10 +30,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from sparse_attention_op.ort.providers import require_ep, session_ep, webgpu_plugin
 from sparse_attention_op.settings import SessionSettings, SettingsError
 from sparse_attention_op.op.spec import INPUT_NAMES
 from sparse_attention_op.ort.graph import (ModelLike, declared_head_size, declared_tensors, is_group_query_attention, is_sparse_attention,
-                                         load_model, node_attributes)
+                                         node_attributes)
 
 INPUT_IDS, ATTENTION_MASK, POSITION_IDS, LOGITS = "input_ids", "attention_mask", "position_ids", "logits"
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
@@ -123,6 +124,7 @@ class _DecoderIO:
     has_position_ids: bool
     other_inputs: tuple[str, ...]
     vocab_size: int | None  # logits' last dim where the model fixes it
+    static_rows: int | None  # the rows every past declares, for a model exported with a static KV cache
     id_dtypes: tuple[np.dtype, np.dtype, np.dtype]  # input_ids, attention_mask, position_ids (int64 or int32)
 
     @staticmethod
@@ -147,7 +149,7 @@ class _DecoderIO:
         layers = 1 + max((layer for layer, _ in pasts), default=-1)
         if layers == 0:
             raise GenerationError("the model has no input 'past_key_values.0.key': generate needs a decoder with a KV cache")
-        shapes = set()
+        shapes, rows = set(), set()
         for layer in range(layers):
             for kind in ("key", "value"):
                 graph_input = pasts.get((layer, kind))
@@ -165,9 +167,13 @@ class _DecoderIO:
                     raise GenerationError(f"input '{graph_input.name}' must be [batch, kv_heads, rows, head_size] with fixed kv_heads and "
                                           f"head_size, got {graph_input.shape} (pass the model itself, so generate reads them from its attention nodes, or cache_dims=)")
                 shapes.add((shape[1], shape[3], graph_input.type))
+                rows.add(shape[2] if isinstance(shape[2], int) else None)
         if len(shapes) != 1:
             raise GenerationError(f"every past must have one kv_heads, head_size and type; the model has {sorted(shapes)}")
         kv_heads, head_size, type_name = shapes.pop()
+        if len(rows) != 1:
+            raise GenerationError(f"every past must declare the same rows, fixed or symbolic; the model's declare {sorted(rows, key=str)}")
+        static_rows = rows.pop()
         dtypes = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
         if type_name not in dtypes:
             raise GenerationError(f"past caches of type {type_name} are not supported (float or float16)")
@@ -181,7 +187,7 @@ class _DecoderIO:
             id_dtypes.append(integers[declared])
         return _DecoderIO(layers, kv_heads, head_size, np.dtype(dtypes[type_name]), POSITION_IDS in inputs,
                           tuple(name for name in inputs if name not in known), vocab if isinstance(vocab, int) else None,
-                          tuple(id_dtypes))
+                          static_rows, tuple(id_dtypes))
 
 
 def generate(
@@ -197,6 +203,8 @@ def generate(
     kv_check: str = "fast",
     on_step: Callable[[int, list[int | None]], None] | None = None,
     cache_dims: tuple[int, int] | None = None,
+    ep: str = "cpu",
+    ep_options: dict | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` new tokens for every prompt.
 
@@ -208,7 +216,13 @@ def generate(
     padding ``attention_mask`` (same shape, 1 = token, 0 = padding on either side) marks.
     A row stops after it emits one of ``stop_tokens``; finished rows are fed
     ``pad_token_id`` until every row is done. ``capacity``: rows of each KV buffer (default:
-    the longest prompt plus ``max_new_tokens``; the model's context length bounds it).
+    the longest prompt plus ``max_new_tokens``; the model's context length bounds it; a
+    model whose pasts declare a fixed length, a static KV cache, has that capacity).
+    ``ep``: where the model's other nodes run, ``"cpu"`` or ``"webgpu"`` (ORT's WebGPU plugin
+    EP, with ``ep_options``; see create_session). With the WebGPU EP each
+    GroupQueryAttention layer's cache lives on the EP's device and each SparseAttention
+    layer's in host memory, where this package's op reads it: no cache crosses between the
+    two on any step. A given session's own EP decides the same way.
     ``on_step(step, new_tokens)`` is called after every token (None for finished rows).
     ``cache_dims``: (kv_heads, head_size) of the caches, for a session whose pasts leave them
     symbolic (given a model or folder, generate reads them there: :func:`cache_dims_of`).
@@ -232,11 +246,10 @@ def generate(
     rows = _prompt_rows(prompts, attention_mask)
     stops = _token_set(stop_tokens, "stop_tokens")
     longest = max(map(len, rows))
-    capacity = longest + max_new_tokens if capacity is None else capacity
-    if not _is_int(capacity) or capacity < longest + max_new_tokens:
+    if capacity is not None and (not _is_int(capacity) or capacity < longest + max_new_tokens):
         raise GenerationError(f"capacity must be an int that holds the longest prompt plus max_new_tokens = {longest + max_new_tokens} rows, got {capacity!r}")
-    capacity = int(capacity)
-    session, hints = _session(model, kv_check)
+    require_ep(ep)
+    session, hints = _session(model, kv_check, ep, ep_options)
     context = hints.get("context_length")
     # The positions a call reaches must lie in the context; the buffers may hold more rows.
     if context is not None and longest + max_new_tokens > context:
@@ -245,11 +258,12 @@ def generate(
     if cache_dims is not None:
         hints = {**hints, "kv_heads": cache_dims[0], "head_size": cache_dims[1]}
     io = _DecoderIO.of(session, hints)
+    capacity = _capacity(io, capacity, longest + max_new_tokens)
     if io.other_inputs:
         raise GenerationError(f"the model takes input(s) generate does not know how to feed: {', '.join(io.other_inputs)}")
     if io.vocab_size is not None:
         _check_ids(rows, stops, pad_token_id, io.vocab_size)  # before any work
-    loop = _Loop(session, io, len(rows), capacity)
+    loop = _Loop(session, io, len(rows), capacity, hints.get("device_layers"))
     rng = np.random.default_rng(sampling.seed) if sampling.do_sample else None
     ids, lengths = _right_padded(rows, pad_token_id)
 
@@ -284,13 +298,27 @@ def generate(
     return GenerationResult(generated, [len(r) for r in rows], reasons, prompt_seconds, step_seconds)
 
 
+def _capacity(io: _DecoderIO, asked: int | None, needed: int) -> int:
+    """Rows of each KV buffer: a static cache's own, else what was asked, else what is needed."""
+    if io.static_rows is None:
+        return int(asked) if asked is not None else needed
+    if asked is not None and asked != io.static_rows:
+        raise GenerationError(f"capacity={asked} differs from the {io.static_rows} rows the model's pasts declare (a static KV cache): "
+                              "leave capacity out, or pass that number")
+    if needed > io.static_rows:
+        raise GenerationError(f"the longest prompt plus max_new_tokens is {needed} positions, more than the {io.static_rows} rows "
+                              "of the model's static KV cache")
+    return io.static_rows
+
+
 def prompt_logits(session: ort.InferenceSession, prompts: Sequence[Sequence[int]], pad_token_id: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One run of whole prompts over empty caches, as :func:`generate` starts:
     (logits float32 (batch, longest, vocab), the right-padded ids, the lengths). Logits at
     padding positions are whatever padding computes: use positions below each length."""
     rows = _prompt_rows(prompts, None)
     ids, lengths = _right_padded(rows, pad_token_id)
-    return _Loop(session, _DecoderIO.of(session), len(rows), ids.shape[1]).step(ids, lengths), ids, lengths
+    io = _DecoderIO.of(session)
+    return _Loop(session, io, len(rows), _capacity(io, None, ids.shape[1]), _device_layers(session)).step(ids, lengths), ids, lengths
 
 
 def _right_padded(rows: list[list[int]], pad_token_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -303,23 +331,34 @@ def _right_padded(rows: list[list[int]], pad_token_id: int) -> tuple[np.ndarray,
 
 
 class _Loop:
-    """One generation's buffers and bindings: a KV buffer per past, bound as past and present."""
+    """One generation's buffers and bindings: a KV buffer per past, bound as past and present.
 
-    def __init__(self, session: ort.InferenceSession, io: _DecoderIO, batch: int, capacity: int):
+    A buffer lives where the attention that reads it runs: in host memory for this
+    package's op (and for any node on ORT's CPU EP), on the WebGPU EP's device for the
+    layers ``device_layers`` names (GroupQueryAttention under that EP). Bound there as both
+    past and present, no cache crosses between host and device on any step.
+    """
+
+    def __init__(self, session: ort.InferenceSession, io: _DecoderIO, batch: int, capacity: int, device_layers=None):
         self.session, self.io = session, io
         shape = (batch, io.kv_heads, capacity, io.head_size)
-        # The OrtValues borrow these arrays' memory: they live as long as the loop.
+        # The host OrtValues borrow these arrays' memory: they live as long as the loop.
         self._arrays = {}
         self._caches = {}
         # One binding for the whole loop: the caches are bound once, as past and as present;
         # each step rebinds only the token inputs and the logits.
         self._binding = session.io_binding()
         self._binding.bind_output(LOGITS)  # bound first: get_outputs()[0], rebinding keeps its place
+        device_layers = device_layers or frozenset()
         for layer in range(io.layers):
             for kind in ("key", "value"):
                 array = np.zeros(shape, io.cache_dtype)
-                self._arrays[layer, kind] = array
-                value = self._caches[layer, kind] = ort.OrtValue.ortvalue_from_numpy(array)
+                value = ort.OrtValue.ortvalue_from_numpy(array)
+                if layer in device_layers:
+                    value = _on_device(value)
+                else:
+                    self._arrays[layer, kind] = array
+                self._caches[layer, kind] = value
                 self._binding.bind_ortvalue_input(f"past_key_values.{layer}.{kind}", value)
                 self._binding.bind_ortvalue_output(PRESENT.format(layer=layer, kind=kind), value)
 
@@ -343,20 +382,55 @@ class _Loop:
         return binding.get_outputs()[0].numpy().astype(np.float32, copy=False)
 
 
-def _session(model, kv_check: str) -> tuple[ort.InferenceSession, dict]:
-    """(the session, hints for cache dims it may declare symbolic)."""
+def _on_device(host: ort.OrtValue) -> ort.OrtValue:
+    """A copy of ``host`` on the WebGPU EP's device (made once, when the loop starts)."""
+    device = ort.OrtValue.ortvalue_from_shape_and_type(host.shape(), host.numpy().dtype, memory_info=webgpu_plugin().memory_info())
+    ort.copy_tensors([host], [device], None)
+    return device
+
+
+def _session(model, kv_check: str, ep: str, ep_options: dict | None) -> tuple[ort.InferenceSession, dict]:
+    """(the session, hints: cache dims it may declare symbolic, the context length, the
+    layers whose caches live on the EP's device)."""
     if isinstance(model, ort.InferenceSession):
-        return model, {}
+        return model, {"device_layers": _device_layers(model)}
+    from sparse_attention_op.ort.model import load_for_session
     from sparse_attention_op.ort.session import create_session
 
     if isinstance(model, (str, os.PathLike)) and os.path.isdir(model):
         from sparse_attention_op.generation.model_files import resolve
 
         model = resolve(model).onnx_path  # an ORT GenAI folder: its decoder
-    proto = load_model(model)
+    proto, _ = load_for_session(model)  # the weights stay in their files
     kv_heads, head_size = cache_dims_of(proto)
-    hints = {"kv_heads": kv_heads, "head_size": head_size, "context_length": context_length_of(proto)}
-    return create_session(proto, kv_check=kv_check), hints
+    session = create_session(model if isinstance(model, (str, os.PathLike)) else proto, kv_check=kv_check, ep=ep, ep_options=ep_options)
+    hints = {"kv_heads": kv_heads, "head_size": head_size, "context_length": context_length_of(proto),
+             "device_layers": device_layers_of(proto) if ep == "webgpu" else frozenset()}
+    return session, hints
+
+
+def _device_layers(session: ort.InferenceSession) -> frozenset:
+    """The layers whose caches live on the session's EP device (none unless it runs the WebGPU EP)."""
+    if session_ep(session) != "webgpu":
+        return frozenset()
+    source = getattr(session, "_model_bytes", None) or getattr(session, "_model_path", None)
+    if source is None:
+        raise GenerationError("cannot tell where this session's caches belong: make it from a model path or bytes")
+    proto = onnx.load_from_string(source) if isinstance(source, bytes) else onnx.load(source, load_external_data=False)
+    return device_layers_of(proto)
+
+
+def device_layers_of(model: onnx.ModelProto) -> frozenset:
+    """The layers whose pasts a GroupQueryAttention node reads: under ORT's WebGPU EP their
+    attention runs on the EP's device, so their caches belong there."""
+    layers = set()
+    for node in model.graph.node:
+        if is_group_query_attention(node):
+            for name in node.input[3:5]:
+                match = _PAST.match(name)
+                if match:
+                    layers.add(int(match.group(1)))
+    return frozenset(layers)
 
 
 def context_length_of(model: onnx.ModelProto) -> int | None:

@@ -69,6 +69,22 @@ def _is_bridge_node(node: onnx.NodeProto) -> bool:
     return (node.domain == BRIDGE_DOMAIN and node.op_type in OP_TYPES.values()) or node.domain == _FORMAT_2_DOMAIN
 
 
+def load_for_session(model: ModelLike) -> tuple[onnx.ModelProto, Path | None]:
+    """The model, and the folder of its external weights where a path's model has any: those
+    stay in their files for ORT to read there (a model of several GB is no protobuf message
+    a session could be handed whole). Only a constant layout's values are read in, for
+    prepare_model's checks."""
+    if not isinstance(model, (str, os.PathLike)):
+        return load_model(model), None
+    path = Path(model)
+    if not path.is_file():
+        raise FileNotFoundError(f"no ONNX model at {path}")
+    proto = onnx.load(str(path), load_external_data=False)
+    load_constant_layouts(proto, path.parent)
+    external = any(external_data_helper.uses_external_data(init) for graph in all_graphs(proto.graph) for init in graph.initializer)
+    return proto, path.parent.resolve() if external else None
+
+
 def bridge_format(model: onnx.ModelProto) -> int | None:
     """The bridge format a prepared model was written for; None for a model without the
     bridge's ops. Models prepared before the format was recorded are format 1."""

@@ -10,13 +10,17 @@ import onnxruntime as ort
 from onnxruntime_extensions import get_library_path
 
 from sparse_attention_op.ort.bridge import forget_session, records, register
-from sparse_attention_op.ort.model import ModelLike, prepare_model
+from sparse_attention_op.ort.graph import ModelLike
+from sparse_attention_op.ort.model import load_for_session, prepare_model
+from sparse_attention_op.ort.providers import add_ep, require_ep
 from sparse_attention_op.op.spec import SparseAttentionError
 from sparse_attention_op.settings import SessionSettings
 
 #: Marks SessionOptions that already carry the extensions library: registering it twice on
 #: one options object makes session creation fail ("Conflicting with a registered kernel").
 _REGISTERED_MARK = "sparse_attention_op.custom_ops_registered"
+#: Where ORT looks for the external weights of a model given as bytes.
+_EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"
 
 
 def _close_session(token: str, kernels: bool = True) -> None:
@@ -83,10 +87,12 @@ class SparseAttentionSession(ort.InferenceSession):
     ``profile``, ``f16_cache``) belong to the session.
     """
 
-    def __init__(self, model_bytes: bytes, sess_options, providers, token: str, settings: SessionSettings):
+    def __init__(self, model_bytes: bytes, sess_options, providers, token: str, settings: SessionSettings, ep: str):
         records.open(token)
         self.sparse_attention_token = token
         self.settings = settings
+        #: Where the graph's other nodes run: "cpu" or "webgpu" (ORT's WebGPU plugin EP).
+        self.ep = ep
         self._finalizer = weakref.finalize(self, _close_session, token)
         self._local = threading.local()
         super().__init__(model_bytes, sess_options=sess_options, providers=providers)
@@ -141,11 +147,15 @@ def create_session(
     kv_check: str = "exact",
     profile: bool | str = False,
     f16_cache: bool = True,
+    ep: str = "cpu",
+    ep_options: dict | None = None,
 ) -> SparseAttentionSession:
     """Load ``model`` (path, bytes or ModelProto) into an InferenceSession with WebGPU SparseAttention.
 
     Every SparseAttention node runs on WebGPU through wgpu; every other node on ONNX
-    Runtime's CPU kernels (or the given providers). Each node keeps its KV cache on the GPU
+    Runtime's CPU kernels (or the given providers), or with ``ep="webgpu"`` on ORT's WebGPU
+    plugin EP (``ep_options``: its provider options, e.g. ``{"validationMode": "disabled"}``;
+    see providers.py). A model path's external weights are read where they lie. Each node keeps its KV cache on the GPU
     between calls and checks the past it is fed against what it holds:
 
     * ``kv_check="exact"`` (default): every history row is compared through per-chunk
@@ -170,17 +180,26 @@ def create_session(
     if profile not in PROFILE_CHOICES:
         raise ValueError(f"profile must be one of {PROFILE_CHOICES}, got {profile!r}")
     settings = SessionSettings.of(kv_check=kv_check, profile=profile, f16_cache=f16_cache)
+    require_ep(ep)
+    if ep != "cpu" and providers:
+        raise ValueError(f"pass either providers or ep={ep!r}, not both")
+    source, external_folder = load_for_session(model)
     token = uuid.uuid4().hex
-    prepared = prepare_model(model, session_token=token, kv_check=settings.kv_check, profile=settings.profile,
+    prepared = prepare_model(source, session_token=token, kv_check=settings.kv_check, profile=settings.profile,
                              f16_cache=settings.f16_cache)
+    options = session_options(sess_options)
+    add_ep(options, ep, ep_options)
+    if external_folder is not None:
+        options.add_session_config_entry(_EXTERNAL_FOLDER, str(external_folder))
     register()
     try:
         return SparseAttentionSession(
             prepared.SerializeToString(),
-            session_options(sess_options),
-            providers or ["CPUExecutionProvider"],
+            options,
+            None if ep != "cpu" else providers or ["CPUExecutionProvider"],
             token,
             settings,
+            ep,
         )
     except Exception as error:
         if "Conflicting with a registered kernel" not in str(error):
