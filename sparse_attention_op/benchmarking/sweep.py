@@ -64,6 +64,7 @@ import wgpu
 from sparse_attention_op.benchmarking.common import PHI3_SMALL, median_seconds, spot_check
 
 from sparse_attention_op.ort.io_binding import bind_shared
+from sparse_attention_op.ort.providers import EPS, add_ep
 from sparse_attention_op.testing.graphs import sparse_attention_model
 from sparse_attention_op.testing.inputs import CaseConfig, random_inputs
 from sparse_attention_op.op.layouts import causal_mask, mask_to_csr, phi3_small_mask
@@ -294,10 +295,14 @@ def run_webgpu(case: Case, inputs: dict, reps: int, whole_pass: bool = False):
     return [r.stats for r in timed], timed[-1].output, itemsize
 
 
-def ort_cpu_seconds(case: Case, inputs: dict, reps: int) -> float:
-    """ORT's CPU kernel, past and present bound to one buffer (it needs that for in-place presents)."""
+def ort_cpu_seconds(case: Case, inputs: dict, reps: int, ep: str = "cpu") -> float:
+    """ORT's CPU kernel, past and present bound to one buffer (it needs that for in-place
+    presents), in a session whose EP is ``ep``: ORT's WebGPU EP has no SparseAttention
+    kernel, so under it the node still runs on ORT's CPU EP, its tensors copied across."""
     model = sparse_attention_model(case.config().node_attributes(), inputs)
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    add_ep(options, ep)
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"] if ep == "cpu" else None)
     arrays = {n: np.array(inputs[n]) for n in ("past_key", "past_value")}  # ORT writes the presents into them
     past = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in arrays.items()}  # borrows ``arrays``: keep them alive
     binding = bind_shared(session, inputs, past)
@@ -363,7 +368,7 @@ def measure(case: Case, args, baselines: dict) -> Row:
     if args.torch and torch_key not in baselines:
         baselines[torch_key] = torch_sdpa_seconds(case, args.reps)
     if args.ort and ort_key not in baselines and (case.kind == "decode" or case.length <= args.ort_max_len):
-        baselines[ort_key] = ort_cpu_seconds(case, inputs, args.reps)
+        baselines[ort_key] = ort_cpu_seconds(case, inputs, args.reps, args.ep)
     torch_s, torch_variant = baselines.get(torch_key, (None, None))
     ort_s = baselines.get(ort_key)
     gpu = [s.gpu_total for s in stats if s.gpu_total is not None]
@@ -527,6 +532,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--reps", type=int, default=None, help="timed calls per case, after warm-up (default 5; --quick 1)")
     parser.add_argument("--torch", action="store_true", help="also time torch dense causal SDPA fp32 (needs CUDA)")
     parser.add_argument("--ort", action="store_true", help="also time ONNX Runtime's CPU kernel")
+    parser.add_argument("--ep", choices=EPS, default="cpu",
+                        help="the EP of --ort's session (default %(default)s; webgpu: ORT's WebGPU plugin EP, which leaves SparseAttention on its CPU EP)")
     parser.add_argument("--ort-max-len", type=int, default=4096, help="longest prompt ORT's CPU kernel runs (default %(default)s; decode steps always run)")
     parser.add_argument("--fp32-tflops", type=float, default=18.4,
                         help="prefill roofline rate in TFLOP/s (default %(default)s: the H200's measured tiled-GEMM fp32 rate through WebGPU; its fp32 peak is ~67)")

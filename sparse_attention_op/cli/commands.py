@@ -26,12 +26,15 @@ COMPARE_TOLERANCE = {"float32": 1e-3, "float16": 2e-2}
 def info(args: argparse.Namespace) -> int:
     from sparse_attention_op.cli.system_info import adapter_summaries, chosen_adapter, versions
 
-    report = {"versions": versions(), "adapters": adapter_summaries()}
+    from sparse_attention_op.ort.providers import plugin_report
+
+    report = {"versions": versions(), "adapters": adapter_summaries(), "webgpu_plugin_ep": plugin_report()}
     report["chosen"] = chosen_adapter() if report["adapters"] else None
     if args.json:
         _write_json(report, args.json)
         return 0 if report["chosen"] else 1
     print(format_table(["package", "version"], list(report["versions"].items())))
+    _print_plugin()
     print("\nadapters (best first; SAO_ADAPTER picks another):")
     if not report["adapters"]:
         from sparse_attention_op.webgpu.device import no_adapter_reason
@@ -48,12 +51,26 @@ def info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_plugin() -> None:
+    from sparse_attention_op.ort.providers import plugin_report
+
+    plugin = plugin_report()
+    if not plugin["installed"]:
+        print(f"\nORT's WebGPU plugin EP (--ep webgpu): {plugin['problem']}")
+        return
+    print(f"\nORT's WebGPU plugin EP (--ep webgpu): onnxruntime-ep-webgpu {plugin['version']}, {plugin['library']}")
+    if plugin["problem"]:
+        print(f"  {plugin['problem']}")
+    for index, device in enumerate(plugin["devices"]):
+        print(f"  device {index}: {device}")
+
+
 def inspect(args: argparse.Namespace) -> int:
     from sparse_attention_op.generation import model_files
     from sparse_attention_op.cli.inspection import format_report, inspect_model
 
     files = model_files.resolve(args.model)
-    report = inspect_model(model_files.load(files, with_weights=False), files)
+    report = inspect_model(model_files.load(files, with_weights=False), files, args.ep)
     if args.json:
         _write_json(report.to_dict(), args.json)
     else:
@@ -79,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         feeds, notes = random_feeds(model, settings, (files.genai_config or {}).get("model", {}).get("vocab_size"))
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
-    session = create_session(model, kv_check=args.kv_check)
+    session = create_session(model, kv_check=args.kv_check, ep=args.ep)
     names = [o.name for o in session.get_outputs()]
     seconds = []
     for _ in range(args.repeat):
@@ -147,12 +164,12 @@ def generate(args: argparse.Namespace) -> int:
     prompts = args.prompt_ids
     stops = _stop_tokens(args, files)
     sampling = Sampling(do_sample=args.sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    model = model_files.load(files)
+    model = model_files.load(files, with_weights=False)  # parsed here for its errors; the session reads the weights
     options = dict(stop_tokens=stops, pad_token_id=_pad_token(files), sampling=sampling, capacity=args.capacity)
     with _StepProgress(args.max_new_tokens, not args.no_progress) as progress:
-        # The model itself, not a session: generate reads its cache dims and context there.
+        # The model's path, not a session: generate reads its cache dims and context there.
         try:
-            result = generate_tokens(model, prompts, args.max_new_tokens, on_step=progress.step, kv_check=args.kv_check, **options)
+            result = generate_tokens(files.onnx_path, prompts, args.max_new_tokens, on_step=progress.step, kv_check=args.kv_check, ep=args.ep, **options)
         except GenerationError as error:
             raise GenerationError(_in_flags(str(error))) from None
     document = {"tokens": result.tokens, "ms_per_token": result.ms_per_token}

@@ -24,8 +24,11 @@ from sparse_attention_op.ort.model import load_constant_layouts, prepare_model
 from sparse_attention_op.generation.model_files import ModelFiles
 from sparse_attention_op.op.spec import INPUT_NAMES, OUTPUT_NAMES, SparseAttentionError
 
-WEBGPU = "WebGPU (SparseAttention through the bridge's op)"
+WEBGPU = "WebGPU (SparseAttention through this package's op)"
 ORT_CPU = "ONNX Runtime CPU"
+ORT_WEBGPU = "ONNX Runtime WebGPU EP"
+#: The session's EP names as the report shows them.
+_EP_LABELS = {"CPUExecutionProvider": ORT_CPU, "WebGpuExecutionProvider": ORT_WEBGPU}
 
 
 @dataclass
@@ -79,7 +82,7 @@ class ModelReport:
         return asdict(self)
 
 
-def inspect_model(model: onnx.ModelProto, files: ModelFiles) -> ModelReport:
+def inspect_model(model: onnx.ModelProto, files: ModelFiles, ep: str = "cpu") -> ModelReport:
     """The report of ``model`` (loaded from ``files``; external weights need not be loaded)."""
     graph = model.graph
     declared = declared_tensors(model)
@@ -116,7 +119,7 @@ def inspect_model(model: onnx.ModelProto, files: ModelFiles) -> ModelReport:
         outputs=[declared.get(o.name, TensorInfo(o.name, "?", None)) for o in graph.output],
         nodes=nodes,
         layouts=list(layouts.values()),
-        placement=placement(graph),
+        placement=placement(graph) if ep == "cpu" else session_placement(files.onnx_path, ep),
         refused=refusal(model, Path(files.onnx_path).parent),
     )
 
@@ -142,6 +145,29 @@ def placement(graph: onnx.GraphProto) -> dict[str, dict[str, int]]:
     for node in all_nodes(graph):
         op = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}"
         sides[WEBGPU if is_sparse_attention(node) else ORT_CPU][op] += 1
+    return {side: dict(counts.most_common()) for side, counts in sides.items()}
+
+
+def session_placement(model_path, ep: str) -> dict[str, dict[str, int]]:
+    """Node counts by op type on each side, as a session with ``ep`` assigns them (ORT's own
+    record of its partitioning; the copies ORT adds between devices are not nodes of it)."""
+    import onnxruntime as ort
+
+    from sparse_attention_op.ort.bridge import OP_TYPES
+    from sparse_attention_op.ort.session import create_session
+
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+    session = create_session(model_path, options, ep=ep)
+    ours = set(OP_TYPES.values())
+    sides = {WEBGPU: collections.Counter()}
+    for subgraph in session.get_provider_graph_assignment_info():
+        for node in subgraph.get_nodes():
+            if node.op_type in ours:
+                sides[WEBGPU]["com.microsoft.SparseAttention"] += 1
+                continue
+            op = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}"
+            sides.setdefault(_EP_LABELS.get(subgraph.ep_name, subgraph.ep_name), collections.Counter())[op] += 1
     return {side: dict(counts.most_common()) for side, counts in sides.items()}
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from sparse_attention_op.cli import commands
 from sparse_attention_op.cli.arguments import UsageError, non_negative, positive
 from sparse_attention_op.generation.loop import Sampling
+from sparse_attention_op.ort.providers import EPS
 
 EPILOG = """examples:
   sparse-attention-op info
@@ -72,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     def model_argument(p: argparse.ArgumentParser) -> None:
         p.add_argument("model", metavar="MODEL", help="an .onnx file or an ORT GenAI model folder")
 
+    def ep_option(p: argparse.ArgumentParser, what: str) -> None:
+        p.add_argument("--ep", choices=EPS, default="cpu",
+                       help=f"where {what} (default %(default)s; webgpu: ORT's WebGPU plugin EP, pip install onnxruntime-ep-webgpu)")
+
     def kv_check_option(p: argparse.ArgumentParser, default: str) -> None:
         p.add_argument("--kv-check", choices=["exact", "fast"], default=default, help="the cache check (default %(default)s)")
 
@@ -92,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "and whether create_session loads the model (exit 1 if it would refuse it)")
     model_argument(p)
     p.add_argument("--json", metavar="OUT", help="write the report as JSON to OUT ('-': stdout)")
+    ep_option(p, "the other nodes would run: webgpu asks ORT by making a session")
 
     p = command("run", commands.run, "run MODEL once on WebGPU with random (or given) feeds and report every output")
     model_argument(p)
@@ -107,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     kv_check_option(p, "exact")
     p.add_argument("--repeat", type=positive, default=1, help="runs to time (default %(default)s; the first compiles kernels)")
     p.add_argument("--save", type=Path, metavar="OUT.npz", help="write the outputs")
+    ep_option(p, "the other nodes run")
 
     p = command("generate", commands.generate, "generate tokens from prompt ids with a GenAI-convention decoder (shared KV buffers)")
     model_argument(p)
@@ -125,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=non_negative, default=None, help="with --sample: seed of the draws")
     p.add_argument("--capacity", type=positive, default=None, help="rows of each KV buffer (default: longest prompt + max new tokens)")
     kv_check_option(p, "fast")
+    ep_option(p, "the other nodes run")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     p = command("bench", commands.bench, "the benchmark sweep (prefill and decode against torch and ORT CPU), with a PNG plot",

@@ -39,6 +39,7 @@ import onnx
 from onnxruntime_extensions import get_library_path
 
 from sparse_attention_op.ort.bridge import BRIDGE_FORMAT, register
+from sparse_attention_op.ort.providers import WEBGPU_EP, ExecutionProviderError, require_ep, webgpu_plugin
 from sparse_attention_op.settings import SessionSettings
 from sparse_attention_op.ort.graph import all_nodes, is_sparse_attention
 from sparse_attention_op.ort.model import bridge_format, load_constant_layouts, prepare_model
@@ -46,6 +47,8 @@ from sparse_attention_op.generation.model_files import GENAI_CONFIG
 #: What prepare_genai_folder did, for load_genai_model and for people reading the folder.
 #: A separate file: GenAI's config parser rejects keys it does not know.
 RECORD_FILE = "sparse_attention_op.json"
+#: GenAI's name of the WebGPU EP in configs and Config.append_provider.
+GENAI_WEBGPU = "WebGPU"
 
 
 def prepare_genai_folder(source, target, *, kv_check: str = "fast", overwrite: bool = False) -> Path:
@@ -137,8 +140,14 @@ def _replace(target: Path, staging: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def load_genai_model(folder):
+def load_genai_model(folder, *, ep: str = "cpu", ep_options: dict | None = None):
     """``onnxruntime_genai.Model(folder)`` after :func:`register`, for a prepared folder.
+
+    ``ep="webgpu"`` runs the model's other nodes on ORT's WebGPU plugin EP: the plugin is
+    registered with GenAI (which carries its own onnxruntime), and the decoder's providers
+    become that EP with ``ep_options``. GenAI then keeps every layer's cache on the EP's
+    device, the SparseAttention layers' too: ORT copies those to the host and back around
+    this package's op on every step (docs/genai.md measures what that costs).
 
     Checks first that the folder's library link is still the library this process loads (a
     folder copied with ``cp -r`` or moved to another filesystem holds a copy instead, which
@@ -169,14 +178,42 @@ def load_genai_model(folder):
     for _, relative in _named_models(config):
         if relative in record["models"] and not (folder / relative).is_file():
             raise FileNotFoundError(f"folder {folder}: model {relative} named by {GENAI_CONFIG} is missing")
+    require_ep(ep)
     try:
         import onnxruntime_genai as og
     except ImportError as error:
         raise ImportError("load_genai_model needs onnxruntime-genai: pip install 'sparse-attention-op[genai]'") from error
     register()
-    model = og.Model(str(folder))
+    if ep == "cpu":
+        model = og.Model(str(folder))
+    else:
+        model = og.Model(_webgpu_config(og, folder, ep_options))
     _track(model, record["session_token"])
     return model
+
+
+_genai_plugin_lock = threading.Lock()
+_genai_plugin_registered = False
+
+
+def _webgpu_config(og, folder: Path, ep_options: dict | None):
+    """GenAI's config of ``folder`` with ORT's WebGPU plugin EP as the decoder's provider."""
+    global _genai_plugin_registered
+    plugin = webgpu_plugin()  # the same checks and messages as a session's (no plugin, no adapter)
+    with _genai_plugin_lock:
+        if not _genai_plugin_registered:
+            try:
+                og.register_execution_provider_library(WEBGPU_EP, plugin.library)
+            except RuntimeError as error:
+                if "already registered" not in str(error):
+                    raise ExecutionProviderError(f"ORT GenAI could not load the WebGPU plugin EP from {plugin.library}: {error}") from None
+            _genai_plugin_registered = True
+    config = og.Config(str(folder))
+    config.clear_providers()
+    config.append_provider(GENAI_WEBGPU)
+    for key, value in (ep_options or {}).items():
+        config.set_provider_option(GENAI_WEBGPU, str(key), str(value))
+    return config
 
 
 # -- the folder and its config ------------------------------------------------------------
