@@ -1,22 +1,28 @@
 #!/usr/bin/env python3
-"""Generation through whole decoders: this op against ONNX Runtime's own CPU kernels, same run.
+"""Whole-model generation, end to end: what a user gets from each way of running a decoder.
 
-    python scripts/bench_generate.py                  # bundled models, then the Phi-3-small attention shape
-    python scripts/bench_generate.py --quick          # bundled models only (lavapipe: ~1 minute)
+    python scripts/bench_generate.py --model models/phi3-small-tiny --configs a b --prompts 64 256 --json out.json
+    python scripts/bench_generate.py --model /tmp/phi3-small-32 --configs d e c --prompts 1024 4096 8192 --new-tokens 64
 
-Every case runs ``sparse_attention_op.generate`` twice on the same prompts: once through
-``create_session`` (SparseAttention on WebGPU, ``kv_check="fast"``) and once through a plain
-``InferenceSession`` (ORT's own CPU kernels). Both bind each layer's past and present to one
-buffer, as ORT GenAI does. Every other node (MatMuls, norms, GroupQueryAttention layers)
-runs on ORT's CPU kernels in both. Columns: the prompt's wall time (the first new token),
-the mean decode step (one new token for every row), and whether the greedy tokens agree
-(float16: up to a near-tie, see docs/genai.md). A warm-up generation compiles the kernels.
+Configurations (each one session, loaded once; every prompt length runs through it):
 
-Models: the two in models/ (4 layers, head size 16) and ``phi3-small-attention``: two
-layers (one SparseAttention, one GroupQueryAttention) with Phi-3-small's attention shape
-(32 heads over 8 kv heads, head size 128, 64-token blocks, 16 local blocks, vertical
-stride 8, one layout per head, rotary) and a small hidden size (512), so attention, not the
-CPU's MatMuls, dominates the step. Built in memory, deterministic.
+  a  ONNX Runtime on its CPU EP alone (ORT's own SparseAttention kernel)
+  b  this package (SparseAttention on WebGPU through wgpu) with ORT's CPU EP for the rest
+  c  ORT's WebGPU plugin EP alone: what a user gets today (ORT places SparseAttention, which
+     the EP lacks, on its CPU EP)
+  d  this package with ORT's WebGPU plugin EP for the rest
+  e  d through ORT GenAI (a folder prepared by prepare_genai_folder, loaded with ep="webgpu")
+
+Every case feeds one prompt of random ids (fixed seed per length), then greedy-decodes
+``--new-tokens`` tokens with no stop token. Columns: the prompt's wall time and tokens/s
+(the first new token included), the decode rate (new tokens after the first over the decode
+steps' wall time), and the tokens against the first configuration that ran the same prompt
+(identical, a float16 near-tie, or DIFFERENT: judged by sparse_attention_op.generation's
+``divergences``). A warm-up generation of 64 prompt tokens compiles every kernel first.
+
+A failing configuration is a row that says how it failed; the others go on. ``--json`` is
+rewritten after every row, so a run cut short keeps what it measured. ``--plot`` draws the
+decode and prompt rates against the prompt length.
 """
 
 from __future__ import annotations
@@ -26,82 +32,178 @@ import json
 import os
 import platform
 import sys
+import tempfile
+import time
+import traceback
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
 import sparse_attention_op as sao
-from sparse_attention_op.testing.decoder_models import DecoderConfig, build_decoder
-from sparse_attention_op.generation.loop import divergences, generate
-from sparse_attention_op.webgpu import get_context
+from sparse_attention_op.generation.loop import cache_dims_of, divergences
+from sparse_attention_op.generation.model_files import resolve
+from sparse_attention_op.ort.providers import add_ep
 
-MODELS = Path(__file__).resolve().parent.parent / "models"
-PHI3_SMALL_ATTENTION = DecoderConfig(
-    vocab_size=1024, hidden=512, layers=2, num_heads=32, kv_num_heads=8, head_size=128, sparse_block_size=64,
-    local_blocks=16, vert_stride=8, max_position=8192, dense_every=2, intermediate=1024, seed=0,
-)
-#: (model, prompt length, rows, new tokens)
-CASES = [("phi3-small-tiny", 64, 1, 64), ("phi3-small-tiny", 64, 4, 64), ("phi3-small-tiny-f16", 64, 1, 64),
-         ("phi3-small-tiny", 440, 1, 64)]
-LONG_CASES = [("phi3-small-attention", 1000, 1, 32), ("phi3-small-attention", 4000, 1, 32), ("phi3-small-attention", 8000, 1, 32)]
+CONFIGS = {
+    "a": "ORT CPU EP alone",
+    "b": "this package + ORT CPU EP",
+    "c": "ORT WebGPU plugin EP alone",
+    "d": "this package + ORT WebGPU plugin EP",
+    "e": "d through ORT GenAI",
+}
 
 
-def model_bytes(name: str) -> bytes:
-    if name == "phi3-small-attention":
-        return build_decoder(PHI3_SMALL_ATTENTION).SerializeToString()
-    return (MODELS / name / "model.onnx").read_bytes()
+class Runner:
+    """One configuration's session and how to generate with it."""
+
+    def __init__(self, config: str, folder: Path, ep_options: dict):
+        self.config, self.folder = config, folder
+        path = str(resolve(folder).onnx_path)
+        if config == "a":
+            self.session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        elif config == "b":
+            self.session = sao.create_session(path, kv_check="fast")
+        elif config == "c":
+            options = ort.SessionOptions()
+            add_ep(options, "webgpu", ep_options)
+            self.session = ort.InferenceSession(path, options)
+        elif config == "d":
+            self.session = sao.create_session(path, kv_check="fast", ep="webgpu", ep_options=ep_options)
+        else:
+            self._staging = tempfile.TemporaryDirectory(prefix="genai-", dir=folder.parent)
+            prepared = sao.prepare_genai_folder(folder, Path(self._staging.name) / "prepared")
+            self.model = sao.load_genai_model(prepared, ep="webgpu", ep_options=ep_options)
+            self.session = None
+
+    def generate(self, prompt: list[int], new_tokens: int) -> tuple[list[int], float, list[float]]:
+        """(new tokens, prompt seconds, decode step seconds)."""
+        if self.session is not None:
+            result = sao.generate(self.session, [prompt], new_tokens, stop_tokens=())
+            return result.tokens[0], result.prompt_seconds, result.step_seconds
+        import onnxruntime_genai as og
+
+        params = og.GeneratorParams(self.model)
+        params.set_search_options(max_length=len(prompt) + new_tokens, do_sample=False)
+        generator = og.Generator(self.model, params)
+        start = time.perf_counter()
+        generator.append_tokens(np.array([prompt], np.int32))
+        generator.generate_next_token()
+        tokens = [int(generator.get_next_tokens()[0])]
+        prompt_seconds, steps = time.perf_counter() - start, []
+        while len(tokens) < new_tokens and not generator.is_done():
+            start = time.perf_counter()
+            generator.generate_next_token()
+            tokens.append(int(generator.get_next_tokens()[0]))
+            steps.append(time.perf_counter() - start)
+        return tokens, prompt_seconds, steps
 
 
-def run_case(name: str, prompt_len: int, rows: int, new_tokens: int, sessions: dict) -> dict:
-    if name not in sessions:
-        data = model_bytes(name)
-        sessions.clear()  # one model's sessions at a time: the long one is large
-        sessions[name] = (sao.create_session(data, kv_check="fast"), ort.InferenceSession(data, providers=["CPUExecutionProvider"]))
-    ours_session, plain = sessions[name]
-    vocab = next(o.shape[-1] for o in plain.get_outputs() if o.name == "logits")
-    prompts = np.random.default_rng(prompt_len * 7 + rows).integers(2, vocab, (rows, prompt_len)).tolist()
-    generate(ours_session, prompts, 2)  # warm-up: compiles the kernels for these shapes
-    generate(plain, prompts, 2)
-    ours = generate(ours_session, prompts, new_tokens)
-    theirs = generate(plain, prompts, new_tokens)
-    found = divergences(plain, prompts, ours.tokens, theirs.tokens)
-    if not found:
-        agree = "identical"
-    elif all(d.near_tie for d in found):
-        agree = "near-tie at token " + ", ".join(str(d.step) for d in found)
-    else:
-        agree = "DIFFERENT"
-    return {
-        "model": name, "prompt": prompt_len, "rows": rows, "new_tokens": new_tokens,
-        "ours_prompt_ms": 1e3 * ours.prompt_seconds, "ort_prompt_ms": 1e3 * theirs.prompt_seconds,
-        "ours_ms_per_token": ours.ms_per_token, "ort_ms_per_token": theirs.ms_per_token,
-        "ours_tokens_per_second": ours.tokens_per_second, "ort_tokens_per_second": theirs.tokens_per_second, "tokens": agree,
-    }
+def compare(reference: dict, row: dict, prompt: list[int], judge, dims) -> str:
+    """How ``row``'s tokens stand against ``reference``'s (judged by the ``judge`` session)."""
+    if row["tokens"] == reference["tokens"]:
+        return f"identical to {reference['config']}"
+    found = divergences(judge, [prompt], [row["tokens"]], [reference["tokens"]], dims)
+    if found and all(d.near_tie for d in found):
+        return f"near-tie with {reference['config']} at token {found[0].step}"
+    return f"DIFFERENT from {reference['config']}: " + "; ".join(d.describe() for d in found)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="only the bundled models")
-    parser.add_argument("--json", type=Path, default=None, help="write the rows, the command and the machine")
+    parser.add_argument("--model", type=Path, required=True, help="a GenAI model folder (scripts/build_models.py writes real-width ones)")
+    parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=sorted(CONFIGS), help="which configurations, in this order")
+    parser.add_argument("--prompts", type=int, nargs="+", default=[1024, 4096, 8192], help="prompt lengths (default %(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=64, help="new tokens per prompt (default %(default)s)")
+    parser.add_argument("--cpu-max-prompt", type=int, default=1024, help="longest prompt a and b run (the CPU's prompts take minutes; default %(default)s)")
+    parser.add_argument("--ep-option", action="append", default=[], metavar="KEY=VALUE", help="a WebGPU EP provider option (repeatable)")
+    parser.add_argument("--label", default="", help="what the rows are of (e.g. '32 layers'); default the folder's name")
+    parser.add_argument("--json", type=Path, default=None, help="write (and extend, if it exists) the rows, the command and the machine")
+    parser.add_argument("--plot", type=Path, default=None, help="decode and prompt rates against prompt length, from --json's rows")
     args = parser.parse_args()
-    machine = (f"{platform.node()} ({os.cpu_count()} CPUs), adapter {get_context().description}, "
-               f"onnxruntime {ort.__version__}")
+    ep_options = dict(option.split("=", 1) for option in args.ep_option)
+    label = args.label or args.model.name
+    machine = f"{platform.node()} ({os.cpu_count()} CPUs), onnxruntime {ort.__version__}"
     command = "python " + " ".join(sys.argv)
-    print(f"Command: `{command}`\n\nMachine: {machine}\n")
-    header = ["model", "prompt x rows", "new", "prompt ms (ours / ORT)", "ms per token (ours / ORT)", "speed-up", "tokens/s (ours)", "tokens"]
+    document = json.loads(args.json.read_text()) if args.json and args.json.is_file() else {"runs": [], "rows": []}
+    document["runs"].append({"command": command, "machine": machine})
+    print(f"Command: `{command}`\nMachine: {machine}\n", flush=True)
+    header = ["model", "config", "prompt", "prompt s", "prompt tok/s", "decode tok/s", "tokens"]
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header), flush=True)
-    rows, sessions, failed = [], {}, False
-    for case in CASES + ([] if args.quick else LONG_CASES):
-        row = run_case(*case, sessions)
-        rows.append(row)
-        failed |= row["tokens"] == "DIFFERENT"
-        print(f"| {row['model']} | {row['prompt']} x {row['rows']} | {row['new_tokens']} | {row['ours_prompt_ms']:.1f} / "
-              f"{row['ort_prompt_ms']:.1f} | {row['ours_ms_per_token']:.2f} / {row['ort_ms_per_token']:.2f} | "
-              f"{row['ort_ms_per_token'] / row['ours_ms_per_token']:.2f}x | {row['ours_tokens_per_second']:.0f} | {row['tokens']} |", flush=True)
+    model_proto = __import__("onnx").load(str(resolve(args.model).onnx_path), load_external_data=False)
+    dims = cache_dims_of(model_proto)
+    vocab = json.loads((args.model / "genai_config.json").read_text())["model"]["vocab_size"]
+    references: dict[int, tuple[dict, object]] = {}
+    failed = False
+    for config in args.configs:
+        try:
+            runner = Runner(config, args.model, ep_options)
+            runner.generate(list(range(2, 66)), 4)  # warm-up: compiles the kernels
+        except Exception as error:
+            row = {"model": label, "config": config, "error": f"{type(error).__name__}: {' '.join(str(error).split())[:400]}"}
+            document["rows"].append(row)
+            print(f"| {label} | {config} | - | - | - | - | fails to load or run: {row['error']} |", flush=True)
+            traceback.print_exc(limit=3)
+            continue
+        for length in args.prompts:
+            if config in "ab" and length > args.cpu_max_prompt:
+                continue
+            prompt = np.random.default_rng(length).integers(2, vocab, length).tolist()
+            row = {"model": label, "config": config, "prompt": length}
+            try:
+                tokens, prompt_s, steps = runner.generate(prompt, args.new_tokens)
+            except Exception as error:
+                row["error"] = f"{type(error).__name__}: {' '.join(str(error).split())[:400]}"
+                document["rows"].append(row)
+                print(f"| {label} | {config} | {length} | - | - | - | fails: {row['error']} |", flush=True)
+                continue
+            row.update(tokens=tokens, prompt_seconds=prompt_s, prompt_tokens_per_second=length / prompt_s,
+                       decode_tokens_per_second=len(steps) / sum(steps) if steps else None)
+            if length in references and runner.session is not None or length in references and references[length][1] is not None:
+                reference, judge = references[length]
+                row["agreement"] = compare(reference, row, prompt, judge or runner.session, dims)
+                failed |= row["agreement"].startswith("DIFFERENT")
+            elif config != "c":
+                references[length] = (row, runner.session)
+                row["agreement"] = "reference"
+            else:
+                row["agreement"] = "not compared"
+            document["rows"].append(row)
+            decode = f"{row['decode_tokens_per_second']:.1f}" if steps else "-"
+            print(f"| {label} | {config} | {length} | {prompt_s:.3f} | {row['prompt_tokens_per_second']:.0f} | {decode} | {row['agreement']} |",
+                  flush=True)
+            if args.json:
+                args.json.write_text(json.dumps(document, indent=1) + "\n")
+        del runner
     if args.json:
-        args.json.write_text(json.dumps({"command": command, "machine": machine, "rows": rows}, indent=2) + "\n")
+        args.json.write_text(json.dumps(document, indent=1) + "\n")
+    if args.plot:
+        plot(document["rows"], args.plot)
     return 1 if failed else 0
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for (model, config) in sorted({(r["model"], r["config"]) for r in rows if "error" not in r}):
+        mine = sorted((r for r in rows if r["model"] == model and r["config"] == config and "error" not in r), key=lambda r: r["prompt"])
+        name = f"{model}, {config}: {CONFIGS[config]}"
+        axes[0].plot([r["prompt"] for r in mine], [r["decode_tokens_per_second"] or 0 for r in mine], marker="o", label=name)
+        axes[1].plot([r["prompt"] for r in mine], [r["prompt_tokens_per_second"] for r in mine], marker="o", label=name)
+    for axis, title in zip(axes, ("decode tokens/s (64 new tokens)", "prompt tokens/s")):
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("prompt tokens")
+        axis.set_title(title)
+        axis.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

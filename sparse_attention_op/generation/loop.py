@@ -597,7 +597,7 @@ def divergences(reference: ort.InferenceSession, prompts: Sequence[Sequence[int]
             continue
         context = list(prompt) + list(other[:step])
         io = _DecoderIO.of(reference, hints)
-        loop = _Loop(reference, io, 1, len(context))
+        loop = _Loop(reference, io, 1, _capacity(io, None, len(context)), _device_layers(reference))
         logits = loop.step(np.array([context], np.int64), np.array([len(context)]))[0, -1].astype(np.float64)
         top = float(np.abs(logits).max())
         if io.cache_dtype == np.float16:
