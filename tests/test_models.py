@@ -3,6 +3,7 @@ float64 decoder reference says they compute (the oracle test_generation relies o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -76,8 +77,63 @@ def test_reference_matches_ort_cpu_on_uniform_rows(dtype, rng):
     ("dtype", "bfloat16", "dtype must be one of"),
     ("layers", 0, "layers must be a positive int"),
     ("eos_token_id", 4096, "token id in [0, 512)"),
+    ("static_cache", 1024, "static_cache (1024) must not exceed max_position (512)"),
+    ("static_cache", -1, "static_cache must be a non-negative int"),
+    ("weights", "int8", "weights must be one of"),
 ])
 def test_config_errors_name_the_field(field, value, message):
     config = DecoderConfig(**{"kv_num_heads": 4, field: value}) if field == "num_heads" else DecoderConfig(**{field: value})
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         build_decoder(config)
+
+
+def config_props(model: onnx.ModelProto) -> dict:
+    return json.loads({p.key: p.value for p in model.metadata_props}["sparse_attention_op.decoder_config"])
+
+
+def test_late_fields_reach_the_props_only_when_set():
+    """Fields added after models/ was committed stay out of the props at their defaults, so the
+    committed bytes hold; set, they travel with the model like the others."""
+    small = DecoderConfig(vocab_size=96, hidden=64, layers=2, num_heads=4, kv_num_heads=2, head_size=16, max_position=128)
+    assert not {"weights", "static_cache"} & set(config_props(build_decoder(small)))
+    props = config_props(build_decoder(dataclasses.replace(small, static_cache=64, weights="int4")))
+    assert (props["static_cache"], props["weights"]) == (64, "int4")
+
+
+def test_static_cache_model_runs_with_pasts_of_exactly_that_length(rng):
+    """Every past and present declares static_cache rows; ORT's CPU provider runs a prompt and
+    a decode step on pasts of exactly that length, past and present bound to one buffer."""
+    config = DecoderConfig(vocab_size=96, hidden=64, layers=2, num_heads=4, kv_num_heads=2, head_size=16, local_blocks=2,
+                           vert_stride=2, max_position=256, dense_every=2, seed=7, static_cache=256)
+    model = build_decoder(config)
+    caches = [*model.graph.input[2:], *model.graph.output[1:]]
+    assert len(caches) == 4 * config.layers
+    for value in caches:
+        dims = value.type.tensor_type.shape.dim
+        assert (dims[0].dim_param, dims[1].dim_value, dims[2].dim_value, dims[3].dim_value) == ("batch_size", 2, 256, 16), value.name
+    assert genai_config(config)["search"]["max_length"] == 256
+
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    buffers = {}
+    for layer in range(config.layers):
+        for kind in ("key", "value"):
+            buffers[layer, kind] = ort.OrtValue.ortvalue_from_numpy(np.zeros((1, 2, 256, 16), np.float32))
+
+    def run(ids: np.ndarray, total: int) -> np.ndarray:
+        binding = session.io_binding()
+        binding.bind_output("logits")
+        binding.bind_cpu_input("input_ids", ids)
+        binding.bind_cpu_input("attention_mask", np.ones((1, total), np.int64))
+        for (layer, kind), buffer in buffers.items():
+            binding.bind_ortvalue_input(f"past_key_values.{layer}.{kind}", buffer)
+            binding.bind_ortvalue_output(f"present.{layer}.{kind}", buffer)
+        session.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy().astype(np.float64)
+
+    ids = rng.integers(0, config.vocab_size, (1, 11))
+    prompt = run(ids[:, :10], 10)
+    step = run(ids[:, 10:], 11)
+    expected = decoder_reference(model, ids, [11])
+    assert float(np.abs(expected).max()) > 2
+    np.testing.assert_allclose(prompt[0], expected[0, :10], atol=1e-4 * float(np.abs(expected).max()))
+    np.testing.assert_allclose(step[0, 0], expected[0, 10], atol=1e-4 * float(np.abs(expected).max()))
