@@ -9,7 +9,7 @@ in that state is not comparable with one timed outside it, and the step's own ph
 cannot tell the state from a change of code.
 
 The probe is the same small mix of that kind of work every time (interpreter work, small
-numpy operations, a copy of 256 KiB, twice), about 25 us on the 2-core VM. The benchmarks time it
+numpy operations, a copy of 256 KiB, twice), about 25 us on a 2-core CPU machine. The benchmarks time it
 once after each timed step, outside the step's timing, and report the median next to the
 step's: a row whose probe took much longer than the others' ran on a slower host.
 """

@@ -46,7 +46,7 @@ INPUT_NAMES = (
 OUTPUT_NAMES = ("output", "present_key", "present_value")
 FLOAT_INPUTS = ("query", "key", "value", "past_key", "past_value", "cos_cache", "sin_cache")
 OPTIONAL_INPUTS = ("key", "value", "cos_cache", "sin_cache")
-#: Inputs whose shape (not data) the planning ops see; the other two are small int tensors.
+#: Inputs validated by their shapes once per distinct set of shapes; the other two are small int tensors read every call.
 SHAPED_INPUTS = tuple(name for name in INPUT_NAMES if name not in ("total_sequence_length", "key_total_sequence_lengths"))
 
 #: Largest value the kernels index with 32-bit unsigned arithmetic. Sizes above it would
@@ -122,11 +122,6 @@ class OpAttributes:
         """The attributes as a node carries them, the schema's defaults made explicit."""
         return dict(num_heads=self.num_heads, kv_num_heads=self.kv_num_heads, sparse_block_size=self.sparse_block_size,
                     scale=float(self.scale), do_rotary=int(self.do_rotary), rotary_interleaved=int(self.rotary_interleaved))
-
-    @property
-    def group_size(self) -> int:
-        """Query heads per kv head (GQA)."""
-        return self.num_heads // self.kv_num_heads
 
 
 def _flag(attrs: Mapping[str, object], name: str) -> bool:
@@ -552,7 +547,7 @@ def _collect(inputs) -> dict[str, np.ndarray | None]:
             continue
         array = np.asarray(value)
         if name in OPTIONAL_INPUTS and array.size == 0:
-            tensors[name] = None  # the bridge's placeholder for an absent input
+            tensors[name] = None  # an empty tensor stands for an absent optional input
             continue
         expected = np.float32 if name in FLOAT_INPUTS else np.int32
         if array.dtype != expected:

@@ -61,7 +61,7 @@ def prepare_model(model: ModelLike, *, session_token: str | None = None, kv_chec
     return prepared
 
 
-#: Domain of the bridge's ops in formats 1 and 2 (PyOps around native nodes).
+#: Domain of the bridge's ops in formats 1 and 2, which wrapped native nodes in Python ops.
 _FORMAT_2_DOMAIN = "ai.sparse_attention_op"
 
 

@@ -69,7 +69,7 @@ def _quiet_run_options() -> ort.RunOptions:
     options.log_severity_level = 4
     # onnxruntime's Python run methods (1.32) look this entry up on every run with options,
     # and an absent entry costs a C++ exception turned into a Python one: 30 us a run on the
-    # 2-core VM, about a third of a decode step's ORT and bridge time. "0" is the value
+    # 2-core CPU machine, about a third of a decode step's ORT and bridge time. "0" is the value
     # they take when it is absent.
     options.add_run_config_entry("gpu_graph_id", "0")
     return options
