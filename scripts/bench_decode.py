@@ -93,7 +93,7 @@ class Row:
     sm_mhz_run: float | None = None  # the GPU's SM clock after the timed steps (median; NVML)
     sm_mhz_gpu: float | None = None  # and after the timestamped session's steps
     phases_us: dict | None = None  # the op's phases (CallStats.phases), medians in microseconds
-    replayed_steps: int = 0  # timed steps that replayed the node's last call (CallStats.replayed; webgpu/steady.py)
+    replayed_steps: int = 0  # timed steps that replayed the node's step plan (CallStats.replayed; webgpu/step_plan.py)
     host_probe_us: float | None = None  # the host probe after each timed step (median; benchmarking/host_speed.py)
 
     def cells(self) -> list[str]:

@@ -146,7 +146,7 @@ def timeline(kv_check: str, way: str, capacity: int, history: int, steps: int, r
     print("| span | us |\n|---|---|")
     for name, values in rows.items():
         print(f"| {name} | {statistics.median(values):.0f} |")
-    print(f"\n{replayed} of {steps} steps replayed the node's last call (webgpu/steady.py)")
+    print(f"\n{replayed} of {steps} steps replayed the node's step plan (webgpu/step_plan.py)")
 
 
 def gpu_passes(kv_check: str, way: str, capacity: int, history: int, steps: int, rng) -> None:

@@ -238,7 +238,7 @@ class RepeatedDispatches:
     def _forget_launches(self):
         state = self.executor.node_state(self.node)
         if state is not None:
-            state.launch_plan = None
+            state.step_plan = None
 
     def __enter__(self):
         self._forget_launches()

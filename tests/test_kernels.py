@@ -280,7 +280,7 @@ def test_resident_queries_equal_prepared_queries(executor, rng, tiles, head_size
     output = run_executor(resident, inputs, config.node_attributes(), "resident")[0]
     assert_matches_reference(expected, inputs, config.node_attributes(), what="prepared queries")
     np.testing.assert_array_equal(output, expected[0])
-    labels = {name: [launch.label for launch in runner.node_state(name).launch_plan.launches]
+    labels = {name: [launch.label for launch in runner.node_state(name).step_plan.launches]
               for name, runner in (("resident", resident), ("prepared", prepared))}
     assert labels == {"resident": ["kv_append", "attention_tiled"], "prepared": ["kv_append", "query_prep", "attention_tiled"]}
 
@@ -318,7 +318,8 @@ def test_a_query_shared_in_workgroup_memory_equals_per_lane_queries(executor, rn
     shape = build_call(random_inputs(config, rng), OpAttributes.from_mapping(config.node_attributes())).shape
     cache = kernels.CacheFormat(rows=128, f16=False, round_keys_to_f16=False)
     for runner, shares in ((shared, True), (per_lane, False)):
-        (split,) = [d for d in kernels.call_dispatches(shape, runner.tuning, cache, _AnyResource()) if d.label == "attention_split"]
+        dispatches = kernels.call_dispatches(shape, kernels.route(shape, runner.tuning), cache, _AnyResource())
+        (split,) = [d for d in dispatches if d.label == "attention_split"]
         assert ("query_shared" in split.program.render()) == shares
     for call in range(3):
         inputs = random_inputs(config, rng)
@@ -401,7 +402,7 @@ def test_decode_passes_are_as_few_as_the_adapter_binds(executor, rng, fields, pa
     runner = executor_for(executor, dict(ROUTES[SPLIT], **fields))
     config = CaseConfig(batch=2, seq_len=1, past_lengths=(9, 30), max_cache_len=40, do_rotary=True, packed=True)
     outputs = check(runner, config, rng, SPLIT, node_key="fused")
-    assert [launch.label for launch in runner.node_state("fused").launch_plan.launches] == passes
+    assert [launch.label for launch in runner.node_state("fused").step_plan.launches] == passes
     # The next step reads the rows the first one wrote from the resident cache: none re-uploaded.
     check(runner, dataclasses.replace(config, past_lengths=(10, 31)), rng, SPLIT, past=outputs[1:], node_key="fused")
     assert run_executor.last_stats.history_rows_uploaded == 0
@@ -432,7 +433,7 @@ def test_the_storage_buffers_tuning_counts_are_those_the_decode_passes_declare(r
     def bound(merges):
         least = next(n for n in range(1, 64) if tuning(n, merges).decode_fuses_append(shape) == fused
                      and tuning(n, merges).decode_merges_in_split(shape) == merges)
-        dispatches = kernels.call_dispatches(shape, tuning(least, merges), cache, _AnyResource())
+        dispatches = kernels.call_dispatches(shape, kernels.route(shape, tuning(least, merges)), cache, _AnyResource())
         return least, max(len(d.program.bindings) for d in dispatches), [d.label for d in dispatches]
 
     # (Unfused, unmerged passes have no count of their own to check: tuning decides nothing.)
@@ -451,7 +452,7 @@ def test_split_k_partials_stay_within_one_binding(executor, rng):
     runner = executor_for(executor, dict(decode_max_queries=16, decode_target_workgroups=4096, decode_min_keys_per_split=1,
                                          max_binding_bytes=3 * per_slice + 100))
     assert runner.tuning.decode_splits(shape) == 3
-    assert max(kernels.scratch_bytes(shape, runner.tuning).values()) <= runner.tuning.max_binding_bytes
+    assert max(kernels.scratch_bytes(shape, kernels.route(shape, runner.tuning)).values()) <= runner.tuning.max_binding_bytes
     check(runner, config, rng, SPLIT, inputs=inputs)
 
 

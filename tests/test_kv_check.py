@@ -318,9 +318,10 @@ def test_the_gpu_fast_check_compares_bits(executor, rng):
 
 @pytest.mark.parametrize("way", WAYS)
 def test_replayed_decode_steps_equal_the_general_call_bit_for_bit(executor, rng, monkeypatch, way):
-    """From the second decode step on, a fast check's steps replay the node's last call
-    (webgpu/steady.py). A second session of the same model, whose calls all go the general
-    way, gets the same inputs: outputs and presents agree to the bit."""
+    """From the second decode step on, a fast check's steps replay the node's step plan
+    straight from the operator's tensors (webgpu/step_plan.py). A second session of the same
+    model, whose calls all go the general way, gets the same inputs: outputs and presents
+    agree to the bit."""
     from sparse_attention_op.webgpu.executor import WebGPUExecutor
 
     model = sparse_attention_model(CONFIG.node_attributes(), random_inputs(CONFIG, rng), constants=LAYOUT)
@@ -355,18 +356,18 @@ def test_a_replayed_step_whose_probes_differ_runs_once_more_after_the_exact_chec
     row = int(generation.lengths[1]) - 1
     generation.past[0][1, 1, row, 3] += 1.0  # batch row 1, kv head 1: one of the probed last rows
     generation.next()
-    executed, copies, execute, copy_past = [], [], WebGPUExecutor._execute, presents.copy_past
+    executed, copies, run_call, copy_past = [], [], WebGPUExecutor._run_call, presents.copy_past
 
-    def spy_execute(self, call, *arguments, **keywords):
+    def spy_run_call(self, call, *arguments, **keywords):
         executed.append(call.fast_check)
-        return execute(self, call, *arguments, **keywords)
+        return run_call(self, call, *arguments, **keywords)
 
     def spy_copy_past(*arguments):
         copies.append(1)
         return copy_past(*arguments)
 
     with monkeypatch.context() as patch:
-        patch.setattr(WebGPUExecutor, "_execute", spy_execute)
+        patch.setattr(WebGPUExecutor, "_run_call", spy_run_call)
         patch.setattr("sparse_attention_op.ort.bridge.copy_past", spy_copy_past)
         stats = generation.step()  # against the reference of the edited past
     assert stats.probes_differed and not stats.replayed and 0 < stats.history_rows_uploaded

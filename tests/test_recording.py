@@ -85,7 +85,7 @@ def test_profiled_calls_time_every_dispatch_and_keep_their_results(executor, rng
         inputs = random_inputs(config, rng)
         outputs = run_executor(executor, inputs, config.node_attributes(), "profiled", profile="dispatches")
         assert_matches_reference(outputs, inputs, config.node_attributes(), what=str(config))
-        launches = executor.node_state("profiled").launch_plan.launches
+        launches = executor.node_state("profiled").step_plan.launches
         stats = run_executor.last_stats
         assert list(stats.gpu_seconds) == [launch.label for launch in launches]
         assert all(seconds > 0 for seconds in stats.gpu_seconds.values())

@@ -43,6 +43,7 @@ from sparse_attention_op.ort.presents import copy_past, write_rows
 from sparse_attention_op.settings import SessionSettings, SettingsError
 from sparse_attention_op.op.spec import (INPUT_NAMES, SHAPED_INPUTS, CallShape, OpAttributes, SparseAttentionCall, SparseAttentionError, assemble_call, describe_lengths,
                    describe_shapes, new_rows)
+from sparse_attention_op.webgpu.executor import get_executor
 
 #: Domain of the bridge's op: onnxruntime-extensions' own, under which its library
 #: registers the ops added to it (custom_op.py).
@@ -170,7 +171,8 @@ def _kernel_factory(dtype: np.dtype):
 def _describe(kernel: NodeKernel, shapes: tuple, total: np.ndarray, key_totals: np.ndarray) -> CallShape:
     """The call's shape: the shape rules once per distinct set of shapes of the node (a
     decode step has the shapes of the step before it, so only the length rules run again;
-    and one ShapeFacts object per set, which the executor's replays test by identity)."""
+    and one ShapeFacts object per set, which the key of the executor's step plans then
+    matches by identity, without comparing fields)."""
     facts = kernel.known_shapes.get(shapes)
     if facts is None:
         facts = describe_shapes(kernel.attributes, dict(zip(SHAPED_INPUTS, shapes)))
@@ -178,20 +180,6 @@ def _describe(kernel: NodeKernel, shapes: tuple, total: np.ndarray, key_totals: 
             kernel.known_shapes.clear()
         kernel.known_shapes[shapes] = facts
     return describe_lengths(facts, total, key_totals)
-
-
-#: The process-wide executor, once a call has needed it (webgpu.get_executor: made once,
-#: never replaced), kept here so that a decode step does not look it up again.
-_process_executor = None
-
-
-def _executor():
-    global _process_executor
-    if _process_executor is None:
-        from sparse_attention_op.webgpu import get_executor  # the GPU is touched on the first call, not at import
-
-        _process_executor = get_executor()
-    return _process_executor
 
 
 _SHAPED_SLOTS = tuple(INPUT_NAMES.index(name) for name in SHAPED_INPUTS)
@@ -232,7 +220,7 @@ def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
     past_key, past_value = tensors[_PAST_KEY], tensors[_PAST_VALUE]
     rotary = shape.attributes.do_rotary
     settings = kernel.settings
-    executor = _executor()
+    executor = get_executor()  # (made on the first call: the GPU is touched then, not at import)
     known_layout = kernel.constant_layout and executor.knows_layout(kernel.node_key)
     as_f32 = _float32 if kernel.float16 else _as_is
     query = as_f32(tensors[_QUERY])
@@ -278,16 +266,16 @@ def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
         )
 
     inputs_done = time.perf_counter()
-    replayable = settings.kv_check == "fast" and kernel.constant_layout
     result = None
-    if replayable and known_layout and not shape.is_prompt:
-        # A decode step like the node's last one replays it (webgpu/steady.py); None: it cannot.
+    if settings.kv_check == "fast" and known_layout and not shape.is_prompt:
+        # A decode step that the node's step plan serves as it stands runs it straight from
+        # these tensors (webgpu/step_plan.py); None: it takes the general call.
         result = executor.replay(kernel.node_key, settings, shape, query, key, value, past_key, past_value,
                                  tensors[_COS] if rotary else None, tensors[_SIN] if rotary else None, make_call,
                                  output=direct, while_gpu_runs=while_gpu_runs)
     if result is None:
         result = executor.run(make_call(), kernel.node_key, settings, reuse_host_arrays=True, output=direct,
-                              while_gpu_runs=while_gpu_runs, replayable=replayable)
+                              while_gpu_runs=while_gpu_runs)
     outputs_start = time.perf_counter()
     if output is not None and direct is None:
         output[...] = result.output

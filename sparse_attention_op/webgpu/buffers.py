@@ -2,10 +2,10 @@
 
 Measured (docs/design.md section 3; ``scripts/measure_platform.py``):
 
-* ``queue.write_buffer`` needs no map round trip, so small uploads use it: the call's
-  small inputs packed into one write. For large ones wgpu allocates a fresh staging buffer
-  per write, which a VM faults in page by page; a staging buffer we keep mapped between
-  calls and fill with parallel copies avoids that.
+* ``queue.write_buffer`` needs no map round trip, so small uploads use it (a call's small
+  inputs go packed in one write: step_plan.py). For large ones wgpu allocates a fresh
+  staging buffer per write, which a VM faults in page by page; a staging buffer we keep
+  mapped between calls and fill with parallel copies avoids that.
 * Reading back through our own MAP_READ buffer avoids the queue's read helper's per-call
   allocation and submit. Maps wait on the calling thread (mapping.py), not through
   wgpu-py's poll thread, and add no empty submit before a read.
@@ -41,8 +41,8 @@ from sparse_attention_op.webgpu.programs import BufferRange
 #: offsets on every adapter (minStorageBufferOffsetAlignment's largest allowed value).
 ALIGNMENT = 256
 _MIN_BYTES = 16  # WebGPU refuses zero-sized bindings
-#: Uploads up to this size are packed into one write_buffer call.
-_PACK_BYTES = 1 << 18
+#: A call's inputs up to this size are packed on the host and sent in one write_buffer call.
+PACK_BYTES = 1 << 18
 #: Uploads above this size go through our own mapped staging buffer (measured on the H200
 #: host: fresh staging memory faults in at a few GB/s; SAO_STAGING_BYTES overrides, for
 #: measuring the two paths).
@@ -74,7 +74,7 @@ class BufferPool:
         #: Buffers of one call only, destroyed once its command buffer is submitted.
         self.temporaries: list = []
         #: Counts the named buffers made or freed: what holds on to buffers of the pool
-        #: (a replayed decode step, steady.py) is still good while it has not moved.
+        #: (a node's step plan, step_plan.py) is still good while it has not moved.
         self.generation = 0
 
     def get(self, name: str, nbytes: int, usage: int) -> object:
@@ -119,9 +119,10 @@ class Upload:
     ``section`` reserves an aligned section of the call's input buffer for an array and
     returns where a kernel binds it; ``write`` targets a range of another buffer (history rows
     into a cache). ``encode`` moves everything before the call's dispatches: small uploads
-    through ``queue.write_buffer`` (one packed write for the sections), large ones through
-    staging buffers kept between calls (two, in turn, for one in chunks), each filled with
-    parallel copies (fresh memory is slow to fault in, in VMs above all; a kept buffer is warm).
+    through ``queue.write_buffer``, large ones through staging buffers kept between calls
+    (two, in turn, for one in chunks), each filled with parallel copies (fresh memory is slow
+    to fault in, in VMs above all; a kept buffer is warm). A call whose inputs are small packs
+    them itself and uploads only its writes here (step_plan.py).
     """
 
     def __init__(self):
@@ -155,25 +156,13 @@ class Upload:
         self._write_bytes += aligned(array.nbytes)
         self.nbytes += array.nbytes
 
-    def encode(self, device, commands, pool: BufferPool, inputs, spin_seconds: float = 0.0, packing=None, chunk_bytes: int = 0) -> None:
+    def encode(self, device, commands, pool: BufferPool, inputs, spin_seconds: float = 0.0, chunk_bytes: int = 0) -> None:
         """Record every section into ``inputs`` and every write into its buffer, ahead of the
         dispatches the caller records next (``commands``: a recording.py recording;
-        ``spin_seconds``: see mapping.mapped). ``packing(nbytes)`` may lend the uint8 host
-        array the small sections are packed in (one kept between calls is warm in the CPU's
-        caches; without it a fresh one is allocated and zeroed). Through staging, uploads
-        larger than ``chunk_bytes`` move in chunks (layout_chunks; 0: whole)."""
+        ``spin_seconds``: see mapping.mapped). Through staging, uploads larger than
+        ``chunk_bytes`` move in chunks (layout_chunks; 0: whole)."""
         if self.section_bytes + self._write_bytes > STAGING_BYTES:
             self._through_staging(self._items(inputs), device, commands, pool, spin_seconds, chunk_bytes)
-        elif self._sections and self.section_bytes <= _PACK_BYTES:
-            # The padding between sections is never read (a test lends an array of all-ones
-            # bytes to prove it), so a lent array's may hold old bytes. Sections hold 4-byte
-            # elements (spec.py), so no section ends inside a word of padding.
-            packed = np.zeros(self.section_bytes, np.uint8) if packing is None else packing(self.section_bytes)
-            for array, offset in self._sections:
-                packed[offset : offset + array.nbytes] = array.reshape(-1).view(np.uint8)
-            commands.write_buffer(inputs, 0, packed)
-            for array, destination, offset in self._writes:
-                _write(commands, destination, offset, array)
         else:
             for array, destination, offset in self._items(inputs):
                 _write(commands, destination, offset, array)
@@ -269,10 +258,6 @@ class Download:
 
     def add(self, destination: np.ndarray, source: BufferRange) -> None:
         self._items.append((destination, source))
-
-    def single_buffer(self):
-        """After :meth:`encode`: the read-back buffer of a transfer that moved in one chunk, else None."""
-        return self._buffers[0] if len(self._chunks) == 1 else None
 
     def encode(self, commands) -> None:
         """Record the first chunk's copies into the call's command buffer."""

@@ -142,6 +142,11 @@ class Digests:
         return np.concatenate(parts, axis=-1)
 
 
+def probe_count(kv_heads: int) -> int:
+    """Probe rows per batch row (probe_rows): the last rows in every kv head, and the spread ones."""
+    return kv_heads * LAST_ROWS + SPREAD_ROWS
+
+
 def probe_rows(past_lengths: tuple[int, ...], kv_heads: int, total_sequence_length: int) -> np.ndarray:
     """The (kv head, row) pairs the fast check probes per batch row: (batch, probes, 2) int64.
 

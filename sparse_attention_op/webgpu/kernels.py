@@ -1,9 +1,12 @@
 """The dispatches of one call: which programs run, on which buffers, with which uniforms.
 
 This module knows the WGSL templates' interfaces; the executor only provides the call's
-buffers by name (:class:`CallBuffers`) and runs the list it gets back, whatever it holds.
+buffers by name (a mapping of BufferRange) and runs the list it gets back, whatever it holds.
 Shape-dependent values are uniforms (one pipeline serves every shape); head size, tiling,
 the cache's element type and the rotary layout shape the code and so are constants.
+
+Which attention pass a call takes (:class:`Route`) is worked out once per call
+(:func:`route`) and handed to every function here that depends on it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,35 @@ class CacheFormat:
     @property
     def vec(self) -> str:
         return VEC4_F16 if self.f16 else VEC4
+
+
+@dataclass(frozen=True, eq=False)
+class Route:
+    """How a call runs on this adapter: the attention pass its shape takes
+    (Tuning.attention_route) and, on split-K, the slice count and how the passes share the
+    work. Every field but ``splits`` follows from the call's shapes; ``splits`` also from
+    its lengths (it stops changing once the history is a few thousand keys long)."""
+
+    tuning: Tuning
+    attention: str  # SPLIT, TILED, ROWS or SIMPLE
+    splits: int = 0  # split-K's slices per query (0 on the other passes)
+    fused_append: bool = False  # split-K's passes write the new rows (Tuning.decode_fuses_append)
+    merges_in_split: bool = False  # split-K's last slices merge (Tuning.decode_merges_in_split)
+
+
+def route(shape: CallShape, tuning: Tuning, attention: str | None = None) -> Route:
+    """The route of one call (``attention``: its pass, where the caller has worked it out)."""
+    if attention is None:
+        attention = tuning.attention_route(shape)
+    if attention != SPLIT:
+        return Route(tuning, attention)
+    return Route(tuning, SPLIT, slice_count(shape, tuning, SPLIT), tuning.decode_fuses_append(shape), tuning.decode_merges_in_split(shape))
+
+
+def slice_count(shape: CallShape, tuning: Tuning, attention: str) -> int:
+    """Split-K's slices per query of a call taking the ``attention`` pass (0 off split-K):
+    the one part of a route that a decode step's lengths can change."""
+    return tuning.decode_splits(shape) if attention == SPLIT else 0
 
 
 def bind(label: str, program: Program, resources: Mapping[str, BufferRange], uniforms: dict, workgroups) -> Dispatch:
@@ -61,15 +93,14 @@ def _fold(groups: int) -> tuple[int, int, int]:
     return (x, -(-groups // x), 1)
 
 
-def dispatch_limits_ok(shape: CallShape, tuning: Tuning) -> bool:
+def dispatch_limits_ok(shape: CallShape, route: Route) -> bool:
     """Whether this call's grids fit the adapter (checked before any GPU work)."""
-    heads, batch = shape.attributes.num_heads, shape.batch_size
-    route = tuning.attention_route(shape)
-    if route == SPLIT:
-        along_x = tuning.decode_splits(shape) * shape.seq_len
-    elif route == TILED:
+    heads, batch, tuning = shape.attributes.num_heads, shape.batch_size, route.tuning
+    if route.attention == SPLIT:
+        along_x = route.splits * shape.seq_len
+    elif route.attention == TILED:
         along_x = _tiled_rows(shape, tuning.prefill_tiling(shape).query_tile)
-    elif route == ROWS:
+    elif route.attention == ROWS:
         lanes, queries = tuning.rows_shape(shape)
         along_x = _tiled_rows(shape, lanes * queries)
     else:
@@ -165,24 +196,6 @@ def attention(shape: CallShape, tuning: Tuning, cache: CacheFormat, resources: M
     return bind("attention", program, resources, uniforms, workgroups)
 
 
-def dispatch_key(shape: CallShape, tuning: Tuning) -> tuple:
-    """What the dispatches of a call depend on: its shape without the lengths, and the one
-    length-dependent choice, split-K's slice count (it stops changing once the history is a
-    few thousand keys long). Lengths are data (row_past), so a decode step reuses the last
-    step's dispatches."""
-    splits = tuning.decode_splits(shape) if tuning.attention_route(shape) == SPLIT else 0
-    return (shape.facts, splits)
-
-
-def same_dispatch_key(key: tuple, shape: CallShape, tuning: Tuning) -> bool:
-    """Whether ``dispatch_key(shape, tuning) == key`` for a call whose shape facts are key's
-    (shape.facts is key[0]): then only the slice count can differ, and the route is the
-    one whose count key holds (split-K's is at least 1, every other route's 0). A decode
-    step asks this rather than the whole key (docs/design.md section 3: every call counts)."""
-    splits = key[1]
-    return splits == (tuning.decode_splits(shape) if splits else 0)
-
-
 def _tiled_rows(shape: CallShape, query_tile: int) -> int:
     """Query tiles a batch row can need: tiles are aligned to absolute positions, so a
     call of S tokens starting mid-tile touches up to ceil(S / TQ) + 1 of them."""
@@ -224,11 +237,11 @@ def _prefill_bindings(cache: CacheFormat, query: str = "prepared_query") -> tupl
     return _attention_reads(query, cache) + (Binding("output", VEC4, writable=True),)
 
 
-def prepares_queries(shape: CallShape, tuning: Tuning) -> bool:
+def prepares_queries(shape: CallShape, route: Route) -> bool:
     """Whether the call runs query_prep before its attention: the rows pass, and the tiled
     pass where its queries do not stay in registers (PrefillTiling.resident_query)."""
-    route = tuning.attention_route(shape)
-    return route == ROWS or (route == TILED and not tuning.prefill_tiling(shape).resident_query)
+    attention = route.attention
+    return attention == ROWS or (attention == TILED and not route.tuning.prefill_tiling(shape).resident_query)
 
 
 #: Where a pass that rotates and scales the call's queries itself finds them.
@@ -376,43 +389,41 @@ def probe_compare(shape: CallShape, cache: CacheFormat, resources: Mapping[str, 
     return bind("probe_compare", program, resources, uniforms, probe_grid(shape, probes))
 
 
-def scratch_bytes(shape: CallShape, tuning: Tuning) -> dict[str, int]:
+def scratch_bytes(shape: CallShape, route: Route) -> dict[str, int]:
     """GPU-only buffers the dispatches need beyond the call's inputs, outputs and cache."""
-    route = tuning.attention_route(shape)
     queries = shape.batch_size * shape.seq_len * shape.attributes.num_heads
-    if route == SPLIT:
-        slices = queries * tuning.decode_splits(shape)
+    if route.attention == SPLIT:
+        slices = queries * route.splits
         scratch = {"partial_acc": slices * shape.head_size * 4, "partial_stats": slices * 8}
-        if tuning.decode_merges_in_split(shape):
+        if route.merges_in_split:
             # Zero when created (WebGPU zeroes new buffers) and after every dispatch (the last
             # slice of each query resets its count), so shared by every node and call.
             scratch["slice_counts"] = queries * 4
         return scratch
-    if prepares_queries(shape, tuning):
+    if prepares_queries(shape, route):
         return {"prepared_query": queries * shape.head_size * 4}
     return {}
 
 
-def call_dispatches(shape: CallShape, tuning: Tuning, cache: CacheFormat, resources: Mapping[str, BufferRange]) -> list[Dispatch]:
+def call_dispatches(shape: CallShape, route: Route, cache: CacheFormat, resources: Mapping[str, BufferRange]) -> list[Dispatch]:
     """Every dispatch of one call, in order: the new rows into the cache (kv_append), the
     queries prepared where the pass needs it (prepares_queries), then the attention by the
-    pass its shape suits (tuning.attention_route). Split-K decode on GPUs
-    writes the new rows in its merge instead (Tuning.decode_fused_append), and merges in its
-    split pass's last slices (Tuning.decode_split_merges): one dispatch per decode step."""
-    route = tuning.attention_route(shape)
-    fused = route == SPLIT and tuning.decode_fuses_append(shape)
-    if route == SPLIT:
-        splits, split = tuning.decode_splits(shape), tuning.decode_split(shape)
-        if tuning.decode_merges_in_split(shape):
+    pass of the call's route. Split-K decode on GPUs writes the new rows in its merge
+    instead (Tuning.decode_fused_append), and merges in its split pass's last slices
+    (Tuning.decode_split_merges): one dispatch per decode step."""
+    tuning = route.tuning
+    if route.attention == SPLIT:
+        splits, split, fused = route.splits, tuning.decode_split(shape), route.fused_append
+        if route.merges_in_split:
             passes = [decode_split(shape, split, splits, cache, resources, fused, merges=True)]
         else:
             passes = [decode_split(shape, split, splits, cache, resources, fused), decode_merge(shape, tuning, splits, cache, resources, fused)]
-    elif route == TILED:
+    elif route.attention == TILED:
         passes = [prefill_tiled(shape, tuning.prefill_tiling(shape), cache, resources)]
-    elif route == ROWS:
+    elif route.attention == ROWS:
         passes = [prefill_rows(shape, tuning, cache, resources)]
     else:
         passes = [attention(shape, tuning, cache, resources)]
-    if prepares_queries(shape, tuning):
+    if prepares_queries(shape, route):
         passes = [query_prep(shape, tuning, resources)] + passes
-    return passes if fused else [kv_append(shape, tuning, cache, resources)] + passes
+    return passes if route.fused_append else [kv_append(shape, tuning, cache, resources)] + passes
