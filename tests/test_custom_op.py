@@ -72,6 +72,41 @@ def test_a_kernel_exception_is_an_ort_error_and_the_session_keeps_working():
         sess.run_with_iobinding(binding, options)
 
 
+def test_only_the_ops_rule_errors_read_as_rule_violations():
+    """An exception among the op's rule errors becomes ORT's message as it is (it names the
+    input and the rule); any other keeps its type name, a ValueError too, so that an
+    internal fault never reads as a broken rule."""
+
+    class RuleError(ValueError):
+        pass
+
+    def compute(kernel, context):
+        x = context.input(0)
+        first = x.reshape(-1)[0]
+        if first < 0:
+            raise RuleError("input 'x': must not start with a negative value")
+        if first == 0:
+            raise ValueError("an internal fault")
+        if first == 1:
+            raise KeyError("missing")
+        context.output(0, x.shape)[...] = x
+
+    custom_op.define(OpDeclaration("SaoTestRuleErrors", (Slot(FLOAT),), (Slot(FLOAT),), ()), lambda attributes, constants: attributes,
+                     compute, _ortx_compat.library(), rule_errors=(RuleError,))
+    sess = session("SaoTestRuleErrors", [("x", TensorProto.FLOAT)], [("y", TensorProto.FLOAT)])
+    options = ort.RunOptions()
+    options.log_severity_level = 4
+    messages = {}
+    for first in (-1.0, 0.0, 1.0):
+        with pytest.raises(Exception) as raised:
+            sess.run(None, {"x": np.full(3, first, np.float32)}, options)
+        messages[first] = str(raised.value)
+    assert "Status Message: input 'x': must not start with a negative value" in messages[-1.0]
+    assert "ValueError: an internal fault" in messages[0.0]
+    assert "KeyError: 'missing'" in messages[1.0]
+    assert np.array_equal(sess.run(None, {"x": np.full(3, 2.0, np.float32)})[0], np.full(3, 2.0))
+
+
 def test_absent_optional_inputs_and_outputs_are_none():
     seen = []
 

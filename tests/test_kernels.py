@@ -538,6 +538,31 @@ def test_unchecked_shader_modules_report_wgsl_errors_as_checked_ones_do(executor
     executor.context.device.create_shader_module(code="@compute @workgroup_size(1) fn main() {}")  # the device still works
 
 
+def test_a_shader_module_wgpu_native_does_not_create_is_a_gpu_execution_error(executor, rng, monkeypatch):
+    """wgpu-native may answer a module it refused with no module and no reported error: the
+    call fails as the GPU's, and its node starts afresh (a fresh executor: nothing compiled)."""
+    from sparse_attention_op.webgpu.executor import GpuExecutionError
+
+    if not native.UNCHECKED_SHADERS:
+        pytest.skip("this wgpu-native compiles every module with its runtime checks")
+    fresh = WebGPUExecutor(executor.context, executor.tuning)
+    assert not fresh.pipelines.runtime_checks
+
+    class NoModule:
+        def wgpuDeviceCreateShaderModuleTrusted(self, *arguments):
+            return native.ffi.NULL
+
+    config = CaseConfig(seq_len=1, past_lengths=(9,), max_cache_len=16)
+    call = build_call(random_inputs(config, rng), OpAttributes.from_mapping(config.node_attributes()))
+    with monkeypatch.context() as patch:
+        patch.setattr(native, "libf", NoModule())
+        with pytest.raises(GpuExecutionError, match="created no shader module") as raised:
+            fresh.run(call, "no-module")
+    assert isinstance(raised.value.__cause__, wgpu.GPUError)
+    assert fresh.node_keys() == [], "the failed node's state was dropped"
+    assert fresh.run(call, "no-module").output.shape == call.shape.output_shape
+
+
 def test_shader_checks_come_back_on_request(monkeypatch):
     limits = {"max-compute-workgroup-storage-size": 32768}
     assert not choose_tuning(limits, frozenset(), "DiscreteGPU").shader_runtime_checks

@@ -488,6 +488,34 @@ def test_gpu_failure_raises_clearly_and_the_node_starts_afresh(executor, rng, mo
     assert generation.step().history_rows_uploaded == 0
 
 
+@pytest.mark.parametrize("failure", ["buffer", "map"])
+@pytest.mark.parametrize("kv_check", MODES)
+def test_the_packages_own_gpu_failures_reach_the_caller_as_gpu_execution_errors(executor, rng, monkeypatch, kv_check, failure):
+    """A buffer the adapter cannot hold (buffers.GpuBufferError) and a map that fails
+    (mapping.MapError) are the GPU's failures as much as the device's own errors: a session's
+    run raises GpuExecutionError, which names the node and the failure, and the node starts
+    afresh."""
+    from sparse_attention_op.webgpu import buffers, mapping, step_plan
+
+    generation = Generation(new_session(rng, kv_check), rng, "plain")
+    generation.step()
+
+    def refused(*arguments, **keywords):
+        if failure == "buffer":
+            raise buffers.GpuBufferError("'inputs' needs more bytes than this adapter binds in one buffer (simulated)")
+        raise mapping.MapError("mapping buffer 'readback.0' failed: status 1 (simulated)")
+
+    with monkeypatch.context() as patch:
+        if failure == "buffer":  # (the first decode step builds its node's plan, which gets its buffers)
+            patch.setattr(buffers.BufferPool, "get", refused)
+        else:
+            patch.setattr(step_plan, "mapped", refused)
+        with pytest.raises(GpuExecutionError, match=r"SparseAttention node '.+' failed on .+: (GpuBufferError|MapError): .*simulated"):
+            generation.session.run(None, generation.feeds())
+    assert generation.step().history_rows_uploaded > 0, "the node started afresh"
+    assert generation.step().history_rows_uploaded == 0
+
+
 def test_a_host_fault_is_not_reported_as_a_gpu_failure(executor, rng, monkeypatch):
     from sparse_attention_op.webgpu import buffers
 
@@ -584,6 +612,33 @@ def test_refused_call_under_a_plain_session_raises_and_logs(executor, rng, caplo
         with pytest.raises(Exception):
             session.run(None, feeds)
     assert any("key_total_sequence_lengths" in r.getMessage() and "sparse_attention" in r.getMessage() for r in caplog.records)
+
+
+def test_ort_reads_a_broken_rule_as_it_is_and_an_internal_fault_by_its_type(executor, rng, monkeypatch):
+    """Through a plain InferenceSession (ORT's own message): a call that breaks the operator's
+    rules reads as the rule; a fault inside the op (here a ValueError of the executor's)
+    keeps its type name, so that it never reads as a broken rule."""
+    from sparse_attention_op.webgpu.executor import WebGPUExecutor
+
+    model = sparse_attention_model(CONFIG.node_attributes(), random_inputs(CONFIG, rng), constants=LAYOUT)
+    sao.register()
+    session = ort.InferenceSession(sao.prepare_model(model).SerializeToString(), sao.session_options(), providers=["CPUExecutionProvider"])
+    inputs = random_inputs(CONFIG, rng)
+    feeds = {i.name: inputs[i.name] for i in session.get_inputs()}
+    options = ort.RunOptions()
+    options.log_severity_level = 4
+    broken = dict(feeds, key_total_sequence_lengths=np.array([99, 6, 6], np.int32))
+    with pytest.raises(Exception, match=r"Status Message: SparseAttention input 'key_total_sequence_lengths': entry 0 = 99"):
+        session.run(None, broken, options)
+
+    def fault(*arguments, **keywords):
+        raise ValueError("an internal fault")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(WebGPUExecutor, "run", fault)
+        with pytest.raises(Exception, match=r"Status Message: ValueError: an internal fault"):
+            session.run(None, feeds, options)
+    session.run(None, feeds)  # the session keeps working
 
 
 @pytest.mark.parametrize("chunk_bytes", [0, 1024])

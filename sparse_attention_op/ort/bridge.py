@@ -315,7 +315,7 @@ def register() -> None:
             return
         library = _ortx_compat.library()
         for dtype in OP_TYPES:
-            custom_op.define(_declaration(dtype), _kernel_factory(dtype), compute, library)
+            custom_op.define(_declaration(dtype), _kernel_factory(dtype), compute, library, rule_errors=(SparseAttentionError,))
         _registered = True
 
 

@@ -6,9 +6,10 @@ such a struct to the ops its library registers (its exported ``AddExternalCustom
 session, or ORT GenAI, that registers that library (``register_custom_ops_library``) runs the
 op, under the library's ``ai.onnx.contrib`` domain. The kernel is handed ORT's own tensors:
 an input is a numpy view of the memory ORT holds it in, an output is ORT's buffer for it,
-asked for with the shape the kernel decides. Nothing crosses a copy (the PyOp bridge copied
-every input and output, docs/design.md section 2), and a kernel's exception becomes an
-ordinary ORT error status (a PyOp's escaping exception aborted the process).
+asked for with the shape the kernel decides, so no tensor is copied to cross into Python
+(docs/design.md section 2). Nothing a kernel raises escapes into ORT: it becomes an
+ordinary ORT error status, whose message is the exception's text, after its type name
+unless it is one of the op's rule errors (an input that breaks the operator's contract).
 
 What ORT calls, and when:
 
@@ -365,12 +366,14 @@ _defined: dict[str, tuple] = {}
 
 
 def define(declaration: OpDeclaration, create: Callable[[dict, set], object],
-           compute: Callable[[object, KernelContext], None], library) -> None:
+           compute: Callable[[object, KernelContext], None], library, *, rule_errors: tuple[type[BaseException], ...] = ()) -> None:
     """Add an op to onnxruntime-extensions' library (``library``: its loaded ctypes handle),
     so that every session registering that library from now on runs it. ``create(attributes)``
     makes a node's kernel object; ``compute(kernel, context)`` runs one call and raises on a
-    bad input (the exception's text becomes ORT's error). ``create`` is also told which
-    inputs are constants of the model (a set of input indices). One definition per name per process."""
+    bad input (the exception becomes ORT's error: its text alone for the op's
+    ``rule_errors``, which name the input and the rule it breaks; anything else after its
+    type name, so that a fault reads as one). ``create`` is also told which inputs are
+    constants of the model (a set of input indices). One definition per name per process."""
     if declaration.name in _defined:
         raise ValueError(f"custom op {declaration.name} is defined already")
     name = declaration.name.encode()
@@ -388,7 +391,7 @@ def define(declaration: OpDeclaration, create: Callable[[dict, set], object],
             handle_out[0] = handle
             return None
         except BaseException as error:  # noqa: BLE001 - nothing may escape into ORT
-            return _status(api, f"{declaration.name}: {_describe(error)}")
+            return _status(api, f"{declaration.name}: {_describe(error, rule_errors)}")
 
     def compute_kernel(handle, context):
         _, kernel, constants, api = _kernels[ctypes.c_int64.from_address(handle).value]
@@ -398,7 +401,7 @@ def define(declaration: OpDeclaration, create: Callable[[dict, set], object],
             compute(kernel, KernelContext(api, context, declaration, constants))
             return None
         except BaseException as error:  # noqa: BLE001 - nothing may escape into ORT
-            return _status(api, _describe(error))
+            return _status(api, _describe(error, rule_errors))
 
     inputs, outputs = declaration.inputs, declaration.outputs
     callbacks = dict(
@@ -451,11 +454,11 @@ def forget_kernels(op_name: str, predicate: Callable[[object], bool]) -> None:
             _kernels[number] = (name, None, {}, api)
 
 
-def _describe(error: BaseException) -> str:
-    """An exception as ORT's status message: its own text, after its type unless it is a
-    ValueError (the operator's rule errors read as they are)."""
+def _describe(error: BaseException, rule_errors: tuple[type[BaseException], ...]) -> str:
+    """An exception as ORT's status message: a rule error's text as it is (it names the input
+    and the rule), anything else's after its type name (an internal error, a GPU failure)."""
     text = str(error)
-    return text if isinstance(error, ValueError) and text else f"{type(error).__name__}: {text}"
+    return text if isinstance(error, rule_errors) and text else f"{type(error).__name__}: {text}"
 
 
 def _status(api: _Api, message: str) -> int:

@@ -60,8 +60,9 @@ def aligned(nbytes: int) -> int:
     return -(-max(int(nbytes), 1) // ALIGNMENT) * ALIGNMENT
 
 
-class GpuBufferError(RuntimeError):
-    """A buffer the call needs cannot exist on this adapter."""
+class GpuBufferError(wgpu.GPUError):
+    """A buffer the call needs cannot exist on this adapter (a GPU failure, as the device's own
+    errors are: the executor reports it as GpuExecutionError)."""
 
 
 class BufferPool:

@@ -54,7 +54,8 @@ from sparse_attention_op.webgpu.tuning import Tuning, choose_tuning
 
 
 class GpuExecutionError(RuntimeError):
-    """The GPU failed a call (device lost, out of memory, driver error); the node is reset."""
+    """The GPU failed a call (device lost, out of memory, a buffer or map the adapter refused,
+    a driver error); the node is reset."""
 
 
 @dataclass
@@ -645,8 +646,9 @@ def _call_inputs(call: SparseAttentionCall, probes: int) -> list[np.ndarray]:
 
 class _DroppedOnFailure:
     """The context of a call of a node's state: any failure drops the state (what the GPU
-    holds for the node is unknown then, so it starts afresh). The GPU's own failures are
-    reported as GpuExecutionError; a host-side fault is reported as it is. (A class: a
+    holds for the node is unknown then, so it starts afresh). The GPU's own failures (wgpu's
+    errors, and this package's buffers and maps the adapter refused, which subclass them)
+    are reported as GpuExecutionError; a host-side fault is reported as it is. (A class: a
     generator-based context costs a decode step several times the calls.)"""
 
     __slots__ = ("executor", "state_key")
@@ -662,7 +664,8 @@ class _DroppedOnFailure:
             return False
         self.executor._drop(self.state_key)
         if issubclass(kind, wgpu.GPUError):
-            raise GpuExecutionError(f"SparseAttention failed on {self.executor.context.description}: {error}") from error
+            raise GpuExecutionError(f"SparseAttention node '{self.state_key[0]}' failed on {self.executor.context.description}: "
+                                    f"{kind.__name__}: {error}") from error
         return False  # a host-side fault: reported as it is
 
 

@@ -15,8 +15,6 @@ Compiling goes around them once too: shader modules without Naga's runtime check
 
 from __future__ import annotations
 
-
-
 import wgpu
 
 from sparse_attention_op.settings import environment
@@ -101,7 +99,7 @@ def create_unchecked_shader_module(device, wgsl: str, label: str):
     this package's own templates (Tuning.shader_runtime_checks says why they qualify).
     On Vulkan, storage buffer accesses stay guarded by the driver: wgpu enables the device's
     robustBufferAccess wherever the driver offers it (NVIDIA's and lavapipe do).
-    Raises as wgpu-py's ``create_shader_module`` does.
+    Raises as wgpu-py's ``create_shader_module`` does: a ``wgpu.GPUError``.
     """
     # The descriptor as wgpu-py's create_shader_module builds it (its helpers keep the
     # strings alive with the structs); `source` must outlive the call, which reads it by pointer.
@@ -112,6 +110,6 @@ def create_unchecked_shader_module(device, wgsl: str, label: str):
                               label=to_c_string_view(label))
     # libf raises wgpu-native's validation errors (a WGSL error) as wgpu-py's own call would.
     handle = libf.wgpuDeviceCreateShaderModuleTrusted(device._internal, descriptor, lib.WGPUShaderRuntimeChecks_None)
-    if handle == ffi.NULL:
-        raise RuntimeError(f"{label}: shader module creation failed")
+    if handle == ffi.NULL:  # refused without a reported error: the GPU's failure all the same
+        raise wgpu.GPUError(f"{label}: wgpu-native created no shader module")
     return GPUShaderModule(label, handle, device)
