@@ -85,3 +85,19 @@ def run_in_threads(targets, timeout=300):
     for thread in threads:
         thread.join(timeout=timeout)
     assert not any(thread.is_alive() for thread in threads), f"a thread did not finish in {timeout} s"
+
+
+def node_kernels() -> list:
+    """(kernel, constant inputs) of every live session's bridge nodes (custom_op.kernels)."""
+    from sparse_attention_op.ort import custom_op
+    from sparse_attention_op.ort.bridge import OP_TYPES
+
+    return [entry for op_type in OP_TYPES.values() for entry in custom_op.kernels(op_type)]
+
+
+def drop_buffer(pool, name: str) -> None:
+    """Free one named buffer of a BufferPool, as growing it for a larger need frees the old
+    one: whatever holds on to the old buffer must see that it moved (the pool's generation)."""
+    buffer = pool._buffers.pop(name)
+    buffer.destroy()
+    pool.generation += 1

@@ -16,7 +16,7 @@ import onnxruntime as ort
 import pytest
 
 import sparse_attention_op as sao
-from helpers import assert_close, assert_matches_reference, run_in_threads
+from helpers import assert_close, assert_matches_reference, drop_buffer, run_in_threads
 from sparse_attention_op.webgpu.cache_record import RECORD_FRACTION, chunk_rows_for, probe_rows
 from sparse_attention_op.testing.graphs import sparse_attention_model
 from sparse_attention_op.testing.inputs import CaseConfig, random_inputs
@@ -430,7 +430,7 @@ def test_a_replay_gives_way_when_the_shared_buffers_move(executor, rng, moved):
     generation.step()
     generation.step()
     assert generation.step().replayed
-    executor._scratch.drop(moved)  # what growing it for another node's call does to the old one
+    drop_buffer(executor._scratch, moved)  # what growing it for another node's call does to the old one
     assert not generation.step().replayed
     assert generation.step().replayed
 

@@ -10,8 +10,8 @@ import pytest
 from onnxruntime_extensions import get_library_path
 
 import sparse_attention_op as sao
-from helpers import assert_close, assert_matches_reference, graph_feeds, run_in_threads, run_ort_cpu
-from sparse_attention_op.ort.bridge import BRIDGE_DOMAIN, BRIDGE_FORMAT, NODE_KEY_ATTRIBUTE, OP_TYPES, SETTINGS_ATTRIBUTE, node_kernels
+from helpers import assert_close, assert_matches_reference, graph_feeds, node_kernels, run_in_threads, run_ort_cpu
+from sparse_attention_op.ort.bridge import BRIDGE_DOMAIN, BRIDGE_FORMAT, NODE_KEY_ATTRIBUTE, OP_TYPES, SETTINGS_ATTRIBUTE
 from sparse_attention_op.settings import SessionSettings
 from sparse_attention_op.cli.demo import build_demo_model, reference_step
 from sparse_attention_op.testing.graphs import sparse_attention_model

@@ -27,7 +27,6 @@ session keeps working. A bound output of the wrong shape is ORT's error too.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 import time
@@ -317,11 +316,6 @@ def register() -> None:
         for dtype in OP_TYPES:
             custom_op.define(_declaration(dtype), _kernel_factory(dtype), compute, library, rule_errors=(SparseAttentionError,))
         _registered = True
-
-
-def node_kernels() -> list[tuple[NodeKernel, dict]]:
-    """The kernels of every live session's nodes, each with its constant inputs (for tests)."""
-    return [entry for op_type in OP_TYPES.values() for entry in custom_op.kernels(op_type)]
 
 
 def forget_session(token: str, kernels: bool = True) -> None:

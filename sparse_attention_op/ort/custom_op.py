@@ -357,9 +357,10 @@ def _libc():
 
 _LIBC = _libc()
 _handles = itertools.count(1)
-#: (op name, kernel object, constant inputs) by the number a kernel's ORT handle holds. A
-#: session's go when it is closed (forget_kernels); ORT frees the handles themselves.
-_kernels: dict[int, tuple[str, object, dict]] = {}
+#: (op name, kernel object, constant inputs, the creating ORT's function table) by the number
+#: a kernel's ORT handle holds. A session's go when it is closed (forget_kernels); ORT frees
+#: the handles themselves.
+_kernels: dict[int, tuple[str, object | None, dict[int, np.ndarray], _Api]] = {}
 #: Every op defined, with its callbacks: ORT and onnxruntime-extensions keep pointers to
 #: them for the life of the process (define() keeps them alive past module teardown too).
 _defined: dict[str, tuple] = {}

@@ -98,12 +98,6 @@ class BufferPool:
         while self.temporaries:
             self.temporaries.pop().destroy()
 
-    def drop(self, name: str) -> None:
-        buffer = self._buffers.pop(name, None)
-        if buffer is not None:
-            buffer.destroy()
-            self.generation += 1
-
     def total_bytes(self) -> int:
         return sum(b.size for b in self._buffers.values())
 

@@ -16,7 +16,7 @@ from typing import Mapping
 
 from sparse_attention_op.op.spec import CallShape
 from sparse_attention_op.webgpu.programs import MAX_WORKGROUPS_PER_DIM, Binding, BufferRange, Dispatch, Program
-from sparse_attention_op.webgpu.tuning import ROWS, SIMPLE, SPLIT, TILED, DecodeSplit, PrefillTiling, Tuning, value_parts
+from sparse_attention_op.webgpu.tuning import ROWS, SPLIT, TILED, DecodeSplit, PrefillTiling, Tuning, value_parts
 
 VEC4 = "vec4<f32>"
 VEC4_F16 = "vec4<f16>"
