@@ -2,7 +2,7 @@
 
 A GPU time means little without the clock it ran at. The H200 idles at 345 MHz and boosts
 to 1980 MHz only under sustained load; a decode loop keeps it busy a small part of each
-step, so the loop's GPU work runs at the idle clock. Measured on 2026-12-02 (BENCHMARKS.md):
+step, so the loop's GPU work runs at the idle clock. Measured on 2026-12-02 (docs/benchmarks-archive.md):
 decode at history 131000 took 0.526 ms of GPU time per step inside a session's decode loop,
 with nvidia-smi reading 345 MHz throughout, against 0.149 ms after a warmer
 (scripts/tune_kernels.py). The benchmarks read the clock after each timed step and report

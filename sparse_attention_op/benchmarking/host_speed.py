@@ -1,7 +1,7 @@
 """How fast the host runs right now: a fixed piece of host work, timed next to a benchmark's steps.
 
 A decode step's host time is Python, numpy and driver calls, and the hosts it was measured
-on do not run them at one speed. On the H100 host of 2026-12-06 (BENCHMARKS.md, third entry)
+on do not run them at one speed. On the H100 host of 2026-12-06 (docs/benchmarks-archive.md)
 every phase of the op took about twice as long for seconds at a time (0.44-0.59 ms of host
 work per step against 0.26-0.31), ORT's own CPU kernel slowing with it, under ORT's default
 thread settings, without spinning threads and with one intra-op thread alike. A step timed

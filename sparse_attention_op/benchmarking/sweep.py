@@ -181,7 +181,7 @@ class Row:
     gpu_dispatch_ms: dict = field(default_factory=dict)  # median per dispatch label
     #: The same calls' dispatches timed as the one compute pass an untimed call records
     #: (SessionSettings.profile == "pass"): gpu_ms times each dispatch in a pass of its
-    #: own, and each timed pass costs the GPU a few microseconds even empty (BENCHMARKS.md).
+    #: own, and each timed pass costs the GPU a few microseconds even empty (docs/benchmarks-archive.md).
     one_pass_ms: float | None = None
 
     @property
