@@ -30,7 +30,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from sparse_attention_op.ort.providers import require_ep, session_ep, webgpu_plugin
+from sparse_attention_op.ort.io_binding import device_pasts, on_device
+from sparse_attention_op.ort.providers import require_ep, session_ep
 from sparse_attention_op.settings import SessionSettings, SettingsError
 from sparse_attention_op.op.spec import INPUT_NAMES
 from sparse_attention_op.ort.graph import (ModelLike, declared_head_size, declared_tensors, is_group_query_attention, is_sparse_attention,
@@ -355,7 +356,7 @@ class _Loop:
                 array = np.zeros(shape, io.cache_dtype)
                 value = ort.OrtValue.ortvalue_from_numpy(array)
                 if layer in device_layers:
-                    value = _on_device(value)
+                    value = on_device(value)
                 else:
                     self._arrays[layer, kind] = array
                 self._caches[layer, kind] = value
@@ -380,13 +381,6 @@ class _Loop:
         binding.bind_output(LOGITS)  # ORT allocates it: its shape changes between prompt and decode
         self.session.run_with_iobinding(binding)
         return binding.get_outputs()[0].numpy().astype(np.float32, copy=False)
-
-
-def _on_device(host: ort.OrtValue) -> ort.OrtValue:
-    """A copy of ``host`` on the WebGPU EP's device (made once, when the loop starts)."""
-    device = ort.OrtValue.ortvalue_from_shape_and_type(host.shape(), host.numpy().dtype, memory_info=webgpu_plugin().memory_info())
-    ort.copy_tensors([host], [device], None)
-    return device
 
 
 def _session(model, kv_check: str, ep: str, ep_options: dict | None) -> tuple[ort.InferenceSession, dict]:
@@ -421,16 +415,8 @@ def _device_layers(session: ort.InferenceSession) -> frozenset:
 
 
 def device_layers_of(model: onnx.ModelProto) -> frozenset:
-    """The layers whose pasts a GroupQueryAttention node reads: under ORT's WebGPU EP their
-    attention runs on the EP's device, so their caches belong there."""
-    layers = set()
-    for node in model.graph.node:
-        if is_group_query_attention(node):
-            for name in node.input[3:5]:
-                match = _PAST.match(name)
-                if match:
-                    layers.add(int(match.group(1)))
-    return frozenset(layers)
+    """The layers whose pasts live on the WebGPU EP's device (io_binding.device_pasts)."""
+    return frozenset(int(match.group(1)) for match in map(_PAST.match, device_pasts(model)) if match)
 
 
 def context_length_of(model: onnx.ModelProto) -> int | None:

@@ -1,7 +1,10 @@
 """IO binding with past and present on one buffer, the way ORT GenAI runs decoders.
 
 Bound like this, the presents are written into the past's own buffer (in place: the op
-writes only the new rows), and no cache-sized tensor is copied per step.
+writes only the new rows), and no cache-sized tensor is copied per step. Under ORT's WebGPU
+EP a cache belongs where the attention that reads it runs: :func:`device_pasts` names the
+pasts a GroupQueryAttention node reads (on the EP's device, :func:`on_device`); the others,
+read by this package's op, stay in host memory.
 """
 
 from __future__ import annotations
@@ -9,7 +12,11 @@ from __future__ import annotations
 from typing import Mapping
 
 import numpy as np
+import onnx
 import onnxruntime as ort
+
+from sparse_attention_op.ort.graph import is_group_query_attention
+from sparse_attention_op.ort.providers import webgpu_plugin
 
 #: The one-node convention of the operator: present_key is past_key's buffer, and so on.
 DEFAULT_PRESENTS = {"present_key": "past_key", "present_value": "past_value"}
@@ -45,6 +52,21 @@ def bind_shared(
     for present, past in presents.items():
         binding.bind_ortvalue_output(present, caches[past])
     return binding
+
+
+def device_pasts(model: onnx.ModelProto) -> frozenset[str]:
+    """The graph inputs a GroupQueryAttention node reads as its past key or value: under ORT's
+    WebGPU EP that attention runs on the EP's device, so their buffers belong there."""
+    inputs = {i.name for i in model.graph.input}
+    return frozenset(name for node in model.graph.node if is_group_query_attention(node) for name in node.input[3:5] if name in inputs)
+
+
+def on_device(host: ort.OrtValue) -> ort.OrtValue:
+    """A copy of ``host`` on the WebGPU EP's device, to bind as past and present of a layer
+    :func:`device_pasts` names (made once; ORT reads and writes it there on every step)."""
+    device = ort.OrtValue.ortvalue_from_shape_and_type(host.shape(), host.numpy().dtype, memory_info=webgpu_plugin().memory_info())
+    ort.copy_tensors([host], [device], None)
+    return device
 
 
 def _check_arguments(session, caches, presents, outputs) -> None:
