@@ -10,13 +10,18 @@ STAMP  := $(VENV)/.installed
 # lavapipe's window-system layer warns without a runtime dir; nothing here draws to a screen.
 export XDG_RUNTIME_DIR ?= /tmp
 
-.PHONY: demo test setup vulkan clean
+.PHONY: demo test lint setup vulkan clean
 
 demo: setup
 	$(PY) -m sparse_attention_op demo
 
-test: setup
+test: setup lint
 	$(PY) -m pytest
+
+# ruff: lint and the format check (pyproject.toml's [tool.ruff]); `ruff format` fixes the latter.
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 setup: $(STAMP) vulkan
 

@@ -48,12 +48,11 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import onnxruntime as ort
 
-from sparse_attention_op.cli.arguments import positive
+import sparse_attention_op as sao
 from sparse_attention_op.benchmarking.clocks import SmClock, median_mhz, sm_clock
 from sparse_attention_op.benchmarking.common import PHI3_SMALL, identity_floor_session, median_seconds
 from sparse_attention_op.benchmarking.host_speed import HostProbe, median_us
-
-import sparse_attention_op as sao
+from sparse_attention_op.cli.arguments import positive
 from sparse_attention_op.testing.graphs import sparse_attention_model
 from sparse_attention_op.testing.inputs import CaseConfig, random_inputs
 from sparse_attention_op.webgpu import get_executor
@@ -102,9 +101,22 @@ class Row:
 
         vs_ort = "-" if self.ort_cpu_ms is None else f"{self.run_ms / self.ort_cpu_ms:.2f}x"
         vs_identity = "-" if self.identity_ms is None else f"{self.run_ms / self.identity_ms:.2f}x"
-        return [self.kv_check, self.way, str(self.capacity), str(self.history), ms(self.run_ms), ms(self.op_host_ms), ms(self.gpu_ms),
-                ms(self.ort_cpu_ms), ms(self.identity_ms), vs_ort, vs_identity, f"{100 * self.record_fraction:.2f}%",
-                f"{_mhz(self.sm_mhz_run)} / {_mhz(self.sm_mhz_gpu)}", _us(self.host_probe_us)]
+        return [
+            self.kv_check,
+            self.way,
+            str(self.capacity),
+            str(self.history),
+            ms(self.run_ms),
+            ms(self.op_host_ms),
+            ms(self.gpu_ms),
+            ms(self.ort_cpu_ms),
+            ms(self.identity_ms),
+            vs_ort,
+            vs_identity,
+            f"{100 * self.record_fraction:.2f}%",
+            f"{_mhz(self.sm_mhz_run)} / {_mhz(self.sm_mhz_gpu)}",
+            _us(self.host_probe_us),
+        ]
 
 
 def _mhz(value: float | None) -> str:
@@ -115,8 +127,22 @@ def _us(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
 
 
-HEADER = ["kv_check", "way", "capacity", "history", "run ms", "op host ms", "GPU ms", "ORT CPU ms", "Identity ms", "run / ORT CPU", "run / Identity", "record / cache",
-          "SM MHz (run / GPU)", "host probe us"]
+HEADER = [
+    "kv_check",
+    "way",
+    "capacity",
+    "history",
+    "run ms",
+    "op host ms",
+    "GPU ms",
+    "ORT CPU ms",
+    "Identity ms",
+    "run / ORT CPU",
+    "run / Identity",
+    "record / cache",
+    "SM MHz (run / GPU)",
+    "host probe us",
+]
 
 
 #: Untimed steps before a case's timed ones.
@@ -138,11 +164,16 @@ class Decoder:
 
     def feeds(self) -> dict:
         """The next step's inputs: fresh query/key/value rows, lengths one past the history."""
-        c = self.config
         total = np.array([self.history + 1], np.int32)
         fresh = {name: self.rng.standard_normal(self.template[name].shape, dtype=np.float32) for name in ("query", "key", "value")}
-        return {**self.template, **fresh, "past_key": self.past[0], "past_value": self.past[1],
-                "total_sequence_length": total, "key_total_sequence_lengths": total.copy()}
+        return {
+            **self.template,
+            **fresh,
+            "past_key": self.past[0],
+            "past_value": self.past[1],
+            "total_sequence_length": total,
+            "key_total_sequence_lengths": total.copy(),
+        }
 
     def step(self) -> float:
         if self.history >= self.config.max_cache_len:
@@ -220,17 +251,33 @@ def run_case(kv_check: str, way: str, capacity: int, history: int, args, rng, cl
     record_bytes = executor.node_state(key).cache.record.nbytes
     cache_bytes = 2 * decoder.past[0].nbytes
     decoder.session = session = None  # one resident cache at a time (the timestamped session's next)
-    gpus, gpu_clocks = gpu_seconds(model, kv_check, capacity, history, way, min(args.steps, 10), rng, decoder.past, clock) if profile and args.profile else ([], [])
+    gpus, gpu_clocks = (
+        gpu_seconds(model, kv_check, capacity, history, way, min(args.steps, 10), rng, decoder.past, clock) if profile and args.profile else ([], [])
+    )
     ort_ms = ort_cpu_decode(model, capacity, history, args.steps, rng) * 1e3 if args.ort else None
     identity_ms = None
     if way == "plain":
         floor = identity_floor_session(decoder.past[0].shape)
-        identity_ms = median_seconds(lambda: floor.run(None, {"past_key": decoder.past[0], "past_value": decoder.past[1]}), args.steps) * 1e3
+        pasts = {"past_key": decoder.past[0], "past_value": decoder.past[1]}
+        identity_ms = median_seconds(lambda: floor.run(None, pasts), args.steps) * 1e3
     del decoder
-    return Row(kv_check, way, capacity, history, statistics.median(runs) * 1e3, statistics.median(hosts) * 1e3,
-               statistics.median(gpus) * 1e3 if gpus else None, ort_ms, identity_ms, record_bytes / cache_bytes, median_mhz(clocks),
-               median_mhz(gpu_clocks), {name: round(statistics.median(p[name] for p in phases) * 1e6) for name in phases[0]}, replayed,
-               median_us(probes))
+    return Row(
+        kv_check,
+        way,
+        capacity,
+        history,
+        statistics.median(runs) * 1e3,
+        statistics.median(hosts) * 1e3,
+        statistics.median(gpus) * 1e3 if gpus else None,
+        ort_ms,
+        identity_ms,
+        record_bytes / cache_bytes,
+        median_mhz(clocks),
+        median_mhz(gpu_clocks),
+        {name: round(statistics.median(p[name] for p in phases) * 1e6) for name in phases[0]},
+        replayed,
+        median_us(probes),
+    )
 
 
 def prefill_case(kv_check: str, length: int, args, rng, clock: SmClock) -> dict:
@@ -263,14 +310,23 @@ def prefill_case(kv_check: str, length: int, args, rng, clock: SmClock) -> dict:
         del session
     run, gpu = statistics.median(runs[1:]), statistics.median(gpus[1:])
     phase = {k: round(statistics.median(p[k] for p in phases[1:]) * 1e3, 2) for k in phases[0]}
-    return dict(kv_check=kv_check, prompt=length, run_ms=run * 1e3, gpu_ms=gpu * 1e3, run_minus_gpu_ms=(run - gpu) * 1e3,
-                run_minus_gpu_same_run_ms=statistics.median(same_run[1:]) * 1e3, op_phases_ms=phase,
-                sm_mhz_run=median_mhz(clocks[False][1:]), sm_mhz_gpu=median_mhz(clocks[True][1:]))
+    return dict(
+        kv_check=kv_check,
+        prompt=length,
+        run_ms=run * 1e3,
+        gpu_ms=gpu * 1e3,
+        run_minus_gpu_ms=(run - gpu) * 1e3,
+        run_minus_gpu_same_run_ms=statistics.median(same_run[1:]) * 1e3,
+        op_phases_ms=phase,
+        sm_mhz_run=median_mhz(clocks[False][1:]),
+        sm_mhz_gpu=median_mhz(clocks[True][1:]),
+    )
 
 
 def print_round_medians(rounds: list[list[Row]]) -> None:
     """Per case, the median over the rounds of each time and of each ratio (a round's ratio
     compares figures of that round), with the least and most ``run`` over the rounds."""
+
     def ms(values):
         present = [v for v in values if v is not None]
         return f"{statistics.median(present):.3f}" if present else "-"
@@ -280,16 +336,47 @@ def print_round_medians(rounds: list[list[Row]]) -> None:
         return f"{statistics.median(present):.2f}x" if present else "-"
 
     print(f"\nmedians over {len(rounds)} rounds\n")
-    header = ["kv_check", "way", "capacity", "history", "run ms", "run ms (least - most)", "op host ms", "GPU ms", "ORT CPU ms", "Identity ms",
-              "run / ORT CPU", "run / Identity", "host probe us (least - most)"]
+    header = [
+        "kv_check",
+        "way",
+        "capacity",
+        "history",
+        "run ms",
+        "run ms (least - most)",
+        "op host ms",
+        "GPU ms",
+        "ORT CPU ms",
+        "Identity ms",
+        "run / ORT CPU",
+        "run / Identity",
+        "host probe us (least - most)",
+    ]
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for rows in zip(*rounds):
         first = rows[0]
         runs = [row.run_ms for row in rows]
-        print("| " + " | ".join([first.kv_check, first.way, str(first.capacity), str(first.history), ms(runs), f"{min(runs):.3f} - {max(runs):.3f}",
-                                 ms(row.op_host_ms for row in rows), ms(row.gpu_ms for row in rows), ms(row.ort_cpu_ms for row in rows),
-                                 ms(row.identity_ms for row in rows), ratio(rows, "ort_cpu_ms"), ratio(rows, "identity_ms"),
-                                 _probe_span(rows)]) + " |", flush=True)
+        print(
+            "| "
+            + " | ".join(
+                [
+                    first.kv_check,
+                    first.way,
+                    str(first.capacity),
+                    str(first.history),
+                    ms(runs),
+                    f"{min(runs):.3f} - {max(runs):.3f}",
+                    ms(row.op_host_ms for row in rows),
+                    ms(row.gpu_ms for row in rows),
+                    ms(row.ort_cpu_ms for row in rows),
+                    ms(row.identity_ms for row in rows),
+                    ratio(rows, "ort_cpu_ms"),
+                    ratio(rows, "identity_ms"),
+                    _probe_span(rows),
+                ]
+            )
+            + " |",
+            flush=True,
+        )
 
 
 def _probe_span(rows: list[Row]) -> str:
@@ -315,8 +402,10 @@ def soak(calls: int, capacity: int, rng) -> str:
         if call in (100, calls - 1):
             marks.append((rss_bytes(), executor.gpu_bytes()))
     (rss0, gpu0), (rss1, gpu1) = marks[0], marks[-1]
-    return (f"soak: {calls} decode calls at capacity {capacity}: rss {rss0 / 2**20:.1f} -> {rss1 / 2**20:.1f} MiB, "
-            f"GPU buffers {gpu0 / 2**20:.1f} -> {gpu1 / 2**20:.1f} MiB, {time.perf_counter() - start:.0f} s")
+    return (
+        f"soak: {calls} decode calls at capacity {capacity}: rss {rss0 / 2**20:.1f} -> {rss1 / 2**20:.1f} MiB, "
+        f"GPU buffers {gpu0 / 2**20:.1f} -> {gpu1 / 2**20:.1f} MiB, {time.perf_counter() - start:.0f} s"
+    )
 
 
 def main() -> int:
@@ -325,7 +414,9 @@ def main() -> int:
     parser.add_argument("--steps", type=positive, default=30, help="timed decode steps per case (medians)")
     parser.add_argument("--no-ort", dest="ort", action="store_false", help="skip ORT's CPU kernel")
     parser.add_argument("--no-profile", dest="profile", action="store_false", help="skip the GPU times (the timestamped second session of each case)")
-    parser.add_argument("--prefill", type=int, nargs="*", default=None, help="prompt lengths for the prefill overhead case (default 8192; --quick 1024)")
+    parser.add_argument(
+        "--prefill", type=int, nargs="*", default=None, help="prompt lengths for the prefill overhead case (default 8192; --quick 1024)"
+    )
     parser.add_argument("--only", type=str, default=None, help="run only cases whose 'kv_check/way/capacity/history' contains this text")
     parser.add_argument("--soak", type=int, default=0, help="decode calls of the soak (0: none)")
     parser.add_argument("--rounds", type=positive, default=1, help="run every case this many times in turn, then print medians over the rounds")
@@ -333,14 +424,19 @@ def main() -> int:
     args = parser.parse_args()
     cases = [case for case in (QUICK if args.quick else ACCEPTANCE) if not args.only or args.only in "/".join(map(str, case))]
     if args.only and not cases:
-        parser.error(f"--only {args.only!r} matches no case (cases: " +
-                     ", ".join("/".join(map(str, case)) for case in (QUICK if args.quick else ACCEPTANCE)) + ")")
+        parser.error(
+            f"--only {args.only!r} matches no case (cases: "
+            + ", ".join("/".join(map(str, case)) for case in (QUICK if args.quick else ACCEPTANCE))
+            + ")"
+        )
     for _, _, capacity, history in cases:
         # Warm-up and timed steps each add a row, and a step needs a free row: a history
         # that reached the capacity would end the case in an error.
         if history + WARMUP_STEPS + args.steps > capacity:
-            parser.error(f"--steps {args.steps}: history {history} would reach capacity {capacity} "
-                         f"(at most {capacity - history - WARMUP_STEPS} steps for this case)")
+            parser.error(
+                f"--steps {args.steps}: history {history} would reach capacity {capacity} "
+                f"(at most {capacity - history - WARMUP_STEPS} steps for this case)"
+            )
 
     executor = get_executor()
     clock = sm_clock()
@@ -362,19 +458,27 @@ def main() -> int:
             measured.append(row)
             print("| " + " | ".join(row.cells()) + " |", flush=True)
         rounds.append(measured)
-        print("\nthe op's phases per step (us, medians): " + "; ".join(
-            f"{row.kv_check}/{row.way}/{row.capacity}/{row.history} ({row.replayed_steps} of {args.steps} steps replayed): "
-            + ", ".join(f"{k} {v}" for k, v in row.phases_us.items()) for row in measured))
+        print(
+            "\nthe op's phases per step (us, medians): "
+            + "; ".join(
+                f"{row.kv_check}/{row.way}/{row.capacity}/{row.history} ({row.replayed_steps} of {args.steps} steps replayed): "
+                + ", ".join(f"{k} {v}" for k, v in row.phases_us.items())
+                for row in measured
+            )
+        )
     if args.rounds > 1:
         print_round_medians(rounds)
     prefills = []
     for length in args.prefill if args.prefill is not None else ([1024] if args.quick else [8192]):
         prefills.append(prefill_case("fast", length, args, rng, clock))
         p = prefills[-1]
-        print(f"\nprefill {p['prompt']}, shared buffers: run {p['run_ms']:.1f} ms, GPU {p['gpu_ms']:.1f} ms, "
-              f"run minus GPU {p['run_minus_gpu_ms']:.1f} ms (in the timestamped runs themselves: {p['run_minus_gpu_same_run_ms']:.1f} ms); "
-              f"op phases (ms): {p['op_phases_ms']}; "
-              f"SM MHz (run / GPU): {_mhz(p['sm_mhz_run'])} / {_mhz(p['sm_mhz_gpu'])}", flush=True)
+        print(
+            f"\nprefill {p['prompt']}, shared buffers: run {p['run_ms']:.1f} ms, GPU {p['gpu_ms']:.1f} ms, "
+            f"run minus GPU {p['run_minus_gpu_ms']:.1f} ms (in the timestamped runs themselves: {p['run_minus_gpu_same_run_ms']:.1f} ms); "
+            f"op phases (ms): {p['op_phases_ms']}; "
+            f"SM MHz (run / GPU): {_mhz(p['sm_mhz_run'])} / {_mhz(p['sm_mhz_gpu'])}",
+            flush=True,
+        )
     if args.soak:
         print("\n" + soak(args.soak, 1024 if args.quick else 8192, rng), flush=True)
     if args.json:

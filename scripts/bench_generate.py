@@ -115,7 +115,9 @@ def main() -> int:
     parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=sorted(CONFIGS), help="which configurations, in this order")
     parser.add_argument("--prompts", type=int, nargs="+", default=[1024, 4096, 8192], help="prompt lengths (default %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=64, help="new tokens per prompt (default %(default)s)")
-    parser.add_argument("--cpu-max-prompt", type=int, default=1024, help="longest prompt a and b run (the CPU's prompts take minutes; default %(default)s)")
+    parser.add_argument(
+        "--cpu-max-prompt", type=int, default=1024, help="longest prompt a and b run (the CPU's prompts take minutes; default %(default)s)"
+    )
     parser.add_argument("--ep-option", action="append", default=[], metavar="KEY=VALUE", help="a WebGPU EP provider option (repeatable)")
     parser.add_argument("--label", default="", help="what the rows are of (e.g. '32 layers'); default the folder's name")
     parser.add_argument("--json", type=Path, default=None, help="write (and extend, if it exists) the rows, the command and the machine")
@@ -157,8 +159,12 @@ def main() -> int:
                 document["rows"].append(row)
                 print(f"| {label} | {config} | {length} | - | - | - | fails: {row['error']} |", flush=True)
                 continue
-            row.update(tokens=tokens, prompt_seconds=prompt_s, prompt_tokens_per_second=length / prompt_s,
-                       decode_tokens_per_second=len(steps) / sum(steps) if steps else None)
+            row.update(
+                tokens=tokens,
+                prompt_seconds=prompt_s,
+                prompt_tokens_per_second=length / prompt_s,
+                decode_tokens_per_second=len(steps) / sum(steps) if steps else None,
+            )
             if length in references and runner.session is not None or length in references and references[length][1] is not None:
                 reference, judge = references[length]
                 row["agreement"] = compare(reference, row, prompt, judge or runner.session, dims)
@@ -170,8 +176,10 @@ def main() -> int:
                 row["agreement"] = "not compared"
             document["rows"].append(row)
             decode = f"{row['decode_tokens_per_second']:.1f}" if steps else "-"
-            print(f"| {label} | {config} | {length} | {prompt_s:.3f} | {row['prompt_tokens_per_second']:.0f} | {decode} | {row['agreement']} |",
-                  flush=True)
+            print(
+                f"| {label} | {config} | {length} | {prompt_s:.3f} | {row['prompt_tokens_per_second']:.0f} | {decode} | {row['agreement']} |",
+                flush=True,
+            )
             if args.json:
                 args.json.write_text(json.dumps(document, indent=1) + "\n")
         del runner
@@ -189,7 +197,7 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for (model, config) in sorted({(r["model"], r["config"]) for r in rows if "error" not in r}):
+    for model, config in sorted({(r["model"], r["config"]) for r in rows if "error" not in r}):
         mine = sorted((r for r in rows if r["model"] == model and r["config"] == config and "error" not in r), key=lambda r: r["prompt"])
         name = f"{model}, {config}: {CONFIGS[config]}"
         axes[0].plot([r["prompt"] for r in mine], [r["decode_tokens_per_second"] or 0 for r in mine], marker="o", label=name)

@@ -27,7 +27,12 @@ from pathlib import Path
 from tqdm import tqdm
 
 from sparse_attention_op.testing.decoder_models import (
-    BUNDLED_MODELS, genai_config_text, initializer_bytes, model_bytes, phi3_small_config, write_model_folder,
+    BUNDLED_MODELS,
+    genai_config_text,
+    initializer_bytes,
+    model_bytes,
+    phi3_small_config,
+    write_model_folder,
 )
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
@@ -37,9 +42,12 @@ REAL_WIDTH_ONLY = ("layers", "max_position", "static_cache", "seed")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 on any difference")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="parent folder of the bundled models (default: the repository's models/); "
-                             "with --real-width, the model folder itself (required)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="parent folder of the bundled models (default: the repository's models/); with --real-width, the model folder itself (required)",
+    )
     parser.add_argument("--real-width", action="store_true", help="write Phi-3-small's real shape (int4 weights) to --out")
     parser.add_argument("--layers", type=int, default=None, help="real width: how many layers (Phi-3-small has 32)")
     parser.add_argument("--max-position", type=int, default=None, help="real width: context length (default 8192)")
@@ -101,8 +109,7 @@ def build_real_width(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     data = path.with_name(path.name + ".data")
     size = path.stat().st_size + data.stat().st_size
-    print(f"wrote {path} and {data.name}: {size / 1e9:.2f} GB ({config.layers} layers, weights {config.weight_source}) "
-          f"in {seconds:.1f} s")
+    print(f"wrote {path} and {data.name}: {size / 1e9:.2f} GB ({config.layers} layers, weights {config.weight_source}) in {seconds:.1f} s")
     return 0
 
 

@@ -89,14 +89,25 @@ def measure_wgpu() -> None:
 
     row("map_sync(WRITE) + write 16 KiB + unmap, idle buffer", median_us(map_write))
 
-    module = device.create_shader_module(code="""
+    module = device.create_shader_module(
+        code="""
 @group(0) @binding(0) var<storage, read_write> data: array<f32>;
 @compute @workgroup_size(64) fn main(@builtin(global_invocation_id) id: vec3<u32>) { data[id.x] = data[id.x] + 1.0; }
-""")
-    layout = device.create_bind_group_layout(entries=[{"binding": 0, "visibility": wgpu.ShaderStage.COMPUTE, "buffer": {"type": wgpu.BufferBindingType.storage}}])
-    pipeline = device.create_compute_pipeline(layout=device.create_pipeline_layout(bind_group_layouts=[layout]), compute={"module": module, "entry_point": "main"})
+"""
+    )
+    layout = device.create_bind_group_layout(
+        entries=[{"binding": 0, "visibility": wgpu.ShaderStage.COMPUTE, "buffer": {"type": wgpu.BufferBindingType.storage}}]
+    )
+    pipeline = device.create_compute_pipeline(
+        layout=device.create_pipeline_layout(bind_group_layouts=[layout]), compute={"module": module, "entry_point": "main"}
+    )
     group = device.create_bind_group(layout=layout, entries=[{"binding": 0, "resource": {"buffer": storage, "offset": 0, "size": 1 << 20}}])
-    row("create_bind_group (1 buffer)", median_us(lambda: device.create_bind_group(layout=layout, entries=[{"binding": 0, "resource": {"buffer": storage, "offset": 0, "size": 1 << 20}}])))
+    row(
+        "create_bind_group (1 buffer)",
+        median_us(
+            lambda: device.create_bind_group(layout=layout, entries=[{"binding": 0, "resource": {"buffer": storage, "offset": 0, "size": 1 << 20}}])
+        ),
+    )
 
     def encode_dispatches(n):
         encoder = device.create_command_encoder()
@@ -133,9 +144,12 @@ def measure_wgpu() -> None:
         np.copyto(out.view(np.uint8), np.frombuffer(readback.read_mapped(0, out.nbytes, copy=False), np.uint8))
         readback.unmap()
 
-    notes = {"map_sync": "wgpu-py's default: an extra empty submit before mapping", "nosync": "waits on wgpu-py's poll thread",
-             "nosync+own poll": "wgpuDevicePoll(wait) on the calling thread, the poll thread woken too",
-             "mapping.py": "the executor's maps: wgpu-native's map and a blocking poll on the calling thread only"}
+    notes = {
+        "map_sync": "wgpu-py's default: an extra empty submit before mapping",
+        "nosync": "waits on wgpu-py's poll thread",
+        "nosync+own poll": "wgpuDevicePoll(wait) on the calling thread, the poll thread woken too",
+        "mapping.py": "the executor's maps: wgpu-native's map and a blocking poll on the calling thread only",
+    }
     for _ in range(2):  # twice, interleaved: the host's timing drifts
         for mode in ("map_sync", "nosync", "nosync+own poll", "mapping.py"):
             row(f"dispatch + copy + map READ + read 16 KiB ({mode})", median_us(lambda: round_trip(mode), 300), notes[mode])
@@ -168,17 +182,21 @@ def measure_cold(reps: int = 250) -> None:
     executor = get_executor()
     context, spin = executor.context, executor.tuning.map_spin_seconds  # the executor's device and its wait
     device, usage = context.device, wgpu.BufferUsage
-    module = device.create_shader_module(code="""
+    module = device.create_shader_module(
+        code="""
 @group(0) @binding(0) var<storage, read> source: array<f32>;
 @group(0) @binding(1) var<storage, read_write> result: array<f32>;
 @compute @workgroup_size(64) fn main(@builtin(global_invocation_id) id: vec3<u32>) { if (id.x == 0u) { result[0] = source[0]; } }
-""")
+"""
+    )
     pipeline = device.create_compute_pipeline(layout="auto", compute={"module": module, "entry_point": "main"})
     inputs = device.create_buffer(size=1 << 20, usage=usage.STORAGE | usage.COPY_DST)
     results = device.create_buffer(size=1 << 16, usage=usage.STORAGE | usage.COPY_SRC)
     readback = device.create_buffer(size=1 << 16, usage=usage.MAP_READ | usage.COPY_DST)
-    group = device.create_bind_group(layout=pipeline.get_bind_group_layout(0), entries=[
-        {"binding": 0, "resource": {"buffer": inputs}}, {"binding": 1, "resource": {"buffer": results}}])
+    group = device.create_bind_group(
+        layout=pipeline.get_bind_group_layout(0),
+        entries=[{"binding": 0, "resource": {"buffer": inputs}}, {"binding": 1, "resource": {"buffer": results}}],
+    )
     launches = [Launch("dispatch", pipeline, group, (1, 1, 1))] * 4
     packed = np.zeros(173056, np.uint8)  # a fast decode step's inputs at the Phi-3-small shape, probe rows included
     print(f"\n### A decode call's recording on {context.description}, warm and cold (us, median of {reps})\n")
@@ -217,19 +235,21 @@ def _session(nodes, inputs, outputs, initializers=()):
 def measure_copies(capacities) -> None:
     """A plain run's floor: ORT copying a cache (Identity to a graph output) against the
     bridge's copy of a past into its present (presents.copy_past, over the host's threads)."""
-    import onnxruntime as ort
     from onnx import TensorProto, helper
 
     from sparse_attention_op.ort.presents import copy_past
 
-    print(f"\n### A cache (1, 8, capacity, 128) float32 copied\n\n| copy | us (median) | note |\n|---|---|---|")
+    print("\n### A cache (1, 8, capacity, 128) float32 copied\n\n| copy | us (median) | note |\n|---|---|---|")
     f32 = TensorProto.FLOAT
     for capacity in capacities:
         shape = [1, 8, capacity, 128]
         past = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
         present = np.empty_like(past)
-        identity = _session([helper.make_node("Identity", ["past"], ["present"])], [helper.make_tensor_value_info("past", f32, shape)],
-                            [helper.make_tensor_value_info("present", f32, shape)])
+        identity = _session(
+            [helper.make_node("Identity", ["past"], ["present"])],
+            [helper.make_tensor_value_info("past", f32, shape)],
+            [helper.make_tensor_value_info("present", f32, shape)],
+        )
         seconds = median_us(lambda: identity.run(None, {"past": past}), 20) * 1e-6
         row(f"ORT Identity, plain run, capacity {capacity}", seconds * 1e6, f"{past.nbytes / seconds / 1e9:.1f} GB/s")
         seconds = median_us(lambda: copy_past(present, past), 20) * 1e-6
@@ -239,13 +259,11 @@ def measure_copies(capacities) -> None:
 def measure_bridge() -> None:
     """A custom op of custom_op.py (the bridge's mechanism) doing nothing, against a session
     of one Identity node: ORT's call into Python and back, and locating inputs."""
-    import ctypes
 
     from onnx import TensorProto, helper
-    from onnxruntime_extensions import get_library_path
 
-    from sparse_attention_op.ort import extensions as _ortx_compat
     from sparse_attention_op.ort import custom_op
+    from sparse_attention_op.ort import extensions as _ortx_compat
     from sparse_attention_op.ort.session import session_options
 
     for count in (1, 11):
@@ -256,8 +274,9 @@ def measure_bridge() -> None:
                 context.input(index)
             context.output(0, (2,))[...] = 0
 
-        declaration = custom_op.OpDeclaration(name, tuple(custom_op.Slot(custom_op.FLOAT) for _ in range(count)),
-                                              (custom_op.Slot(custom_op.FLOAT),), ())
+        declaration = custom_op.OpDeclaration(
+            name, tuple(custom_op.Slot(custom_op.FLOAT) for _ in range(count)), (custom_op.Slot(custom_op.FLOAT),), ()
+        )
         custom_op.define(declaration, lambda attributes, constants: None, compute, _ortx_compat.library())
     inputs = [helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, None) for i in range(11)]
     feeds = {f"x{i}": np.zeros((1, 1, 4096) if i == 0 else (1, 4), np.float32) for i in range(11)}
@@ -270,8 +289,11 @@ def measure_bridge() -> None:
 
         session = ort.InferenceSession(model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
         call = {f"x{i}": feeds[f"x{i}"] for i in range(count)}
-        row(f"session.run of {op} with {count} input(s)", median_us(lambda: session.run(None, call), 500),
-            "the op reads every input's location" if op != "Identity" else "ORT alone")
+        row(
+            f"session.run of {op} with {count} input(s)",
+            median_us(lambda: session.run(None, call), 500),
+            "the op reads every input's location" if op != "Identity" else "ORT alone",
+        )
 
 
 def measure_digest() -> None:
@@ -286,18 +308,20 @@ def measure_digest() -> None:
 
 
 def measure_transfers(megabytes: tuple[int, int], chunks_mb: list[int], spin: float | None = None, rounds: int = 6) -> None:
+    import wgpu
+
     from sparse_attention_op.webgpu import get_executor, recording
     from sparse_attention_op.webgpu.buffers import BufferPool, Download, Upload
     from sparse_attention_op.webgpu.programs import BufferRange
-
-    import wgpu
 
     context = get_executor().context
     device = context.device
     spin = get_executor().tuning.map_spin_seconds if spin is None else spin
     up, down = (mb << 20 for mb in megabytes)
-    print(f"\n### {megabytes[0]} MB up through staging, {megabytes[1]} MB back, {context.description} (ms, median of "
-          f"{rounds - 1} rounds; maps spin {spin * 1e3:g} ms)\n\n| chunk | upload and submit | wait and read | total |\n|---|---|---|---|")
+    print(
+        f"\n### {megabytes[0]} MB up through staging, {megabytes[1]} MB back, {context.description} (ms, median of "
+        f"{rounds - 1} rounds; maps spin {spin * 1e3:g} ms)\n\n| chunk | upload and submit | wait and read | total |\n|---|---|---|---|"
+    )
     host_in = np.random.default_rng(0).standard_normal(up // 4, dtype=np.float32)
     host_out = np.empty(down // 4, np.float32)
     middle = device.create_buffer(size=max(up, down), usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_DST | wgpu.BufferUsage.COPY_SRC)
@@ -334,10 +358,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=GROUPS, nargs="*")
     parser.add_argument("--capacities", type=positive, nargs="*", default=[8192, 131072])
-    parser.add_argument("--transfer-mb", type=positive, nargs=2, default=[201, 167], metavar=("UP", "DOWN"),
-                        help="transfers: MB up and back (default: a prompt of 8192 tokens; lavapipe binds at most 128 MiB)")
+    parser.add_argument(
+        "--transfer-mb",
+        type=positive,
+        nargs=2,
+        default=[201, 167],
+        metavar=("UP", "DOWN"),
+        help="transfers: MB up and back (default: a prompt of 8192 tokens; lavapipe binds at most 128 MiB)",
+    )
     parser.add_argument("--chunks-mb", type=int, nargs="*", default=[0, 64, 32, 16, 8, 2], help="transfers: chunk sizes, 0 for whole")
-    parser.add_argument("--spin-seconds", type=float, default=None, help="transfers: how long maps spin before they block (default: the adapter's tuning)")
+    parser.add_argument(
+        "--spin-seconds", type=float, default=None, help="transfers: how long maps spin before they block (default: the adapter's tuning)"
+    )
     args = parser.parse_args()
     groups = args.only or GROUPS
     print(f"# {' '.join(sys.argv)}\n# {platform.node()} ({os.cpu_count()} CPUs), numpy {np.__version__}")

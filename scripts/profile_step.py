@@ -21,19 +21,17 @@ import json
 import os
 import statistics
 import sys
-
 import time
 
 import onnxruntime as ort
-
-from sparse_attention_op.cli.arguments import non_negative, positive
-from sparse_attention_op.benchmarking.common import PHI3_SMALL
-from sparse_attention_op.benchmarking.host_speed import HostProbe
 from bench_decode import Decoder, model_for, node_stats
 
 import sparse_attention_op as sao
-from sparse_attention_op.testing.inputs import CaseConfig, random_inputs
+from sparse_attention_op.benchmarking.common import PHI3_SMALL
+from sparse_attention_op.benchmarking.host_speed import HostProbe
+from sparse_attention_op.cli.arguments import non_negative, positive
 from sparse_attention_op.ort.session import session_options
+from sparse_attention_op.testing.inputs import CaseConfig, random_inputs
 
 
 class Prompter:
@@ -141,8 +139,10 @@ def timeline(kv_check: str, way: str, capacity: int, history: int, steps: int, r
             rows["host probe (after the step)"].append(probe.seconds() * 1e6)  # the host's speed now (benchmarking/host_speed.py)
     finally:
         bridge._compute = body
-    print(f"\n### timeline: {kv_check}, {way}, capacity {capacity}, history {history} (medians of {steps} steps; the "
-          "step's run includes the marks' clock reads)\n")
+    print(
+        f"\n### timeline: {kv_check}, {way}, capacity {capacity}, history {history} (medians of {steps} steps; the "
+        "step's run includes the marks' clock reads)\n"
+    )
     print("| span | us |\n|---|---|")
     for name, values in rows.items():
         print(f"| {name} | {statistics.median(values):.0f} |")
@@ -190,12 +190,17 @@ def main() -> int:
     parser.add_argument("--steps", type=positive, default=20)
     parser.add_argument("--prefill", type=non_negative, default=0, help="profile prompts of this length instead of decode steps")
     parser.add_argument("--timeline", action="store_true", help="decode steps without ORT's profiler: time around and inside the bridge's op")
-    parser.add_argument("--gpu-passes", action="store_true",
-                        help="decode steps' GPU time in the loop: each dispatch in a timed pass of its own, then the call's one pass")
+    parser.add_argument(
+        "--gpu-passes",
+        action="store_true",
+        help="decode steps' GPU time in the loop: each dispatch in a timed pass of its own, then the call's one pass",
+    )
     args = parser.parse_args()
     if not args.prefill and args.history + WARMUP_STEPS + args.steps > args.capacity:
-        parser.error(f"--history {args.history}, {WARMUP_STEPS} warm-up steps and --steps {args.steps} must fit --capacity "
-                     f"{args.capacity}: each step adds a row")
+        parser.error(
+            f"--history {args.history}, {WARMUP_STEPS} warm-up steps and --steps {args.steps} must fit --capacity "
+            f"{args.capacity}: each step adds a row"
+        )
     print(f"# {' '.join(sys.argv)}, onnxruntime {ort.__version__}")
     if args.gpu_passes:
         gpu_passes(args.kv_check, args.way, args.capacity, args.history, args.steps, np.random.default_rng(0))

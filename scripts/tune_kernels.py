@@ -41,15 +41,14 @@ import jinja2
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sparse_attention_op.cli.arguments import positive  # noqa: E402
 from sparse_attention_op.benchmarking.clocks import median_mhz, sm_clock  # noqa: E402
 from sparse_attention_op.benchmarking.common import PHI3_SMALL, spot_check  # noqa: E402
-
-from sparse_attention_op.testing.inputs import CaseConfig, random_inputs  # noqa: E402
+from sparse_attention_op.cli.arguments import positive  # noqa: E402
 from sparse_attention_op.op.reference import apply_rotary, block_mask  # noqa: E402
 from sparse_attention_op.op.spec import OpAttributes, build_call  # noqa: E402
-from sparse_attention_op.webgpu import get_executor, kernels  # noqa: E402
 from sparse_attention_op.settings import SessionSettings  # noqa: E402
+from sparse_attention_op.testing.inputs import CaseConfig, random_inputs  # noqa: E402
+from sparse_attention_op.webgpu import get_executor, kernels  # noqa: E402
 from sparse_attention_op.webgpu.executor import WebGPUExecutor  # noqa: E402
 from sparse_attention_op.webgpu.programs import Binding, Dispatch, Program, _environment  # noqa: E402
 
@@ -66,6 +65,7 @@ WARM_CALIBRATION = 20000
 
 #: Forces the simple pass (attention.wgsl.jinja) for a call of any length: the baseline.
 SIMPLE_PASS = dict(decode_max_queries=0, prefill_min_queries=1 << 30)
+
 
 #: Prefill candidates: (name, Tuning fields replaced). The first real one is the default.
 def tiled(**fields) -> dict:
@@ -139,9 +139,18 @@ DECODE_CANDIDATES = [
     ("wg 512 target 128", dict(decode_workgroup=512, decode_target_workgroups=128)),
     ("keys/group 1 target 512", dict(decode_keys_per_group=1, decode_target_workgroups=512)),
     ("keys/group 1 target 1024", dict(decode_keys_per_group=1, decode_target_workgroups=1024, decode_min_keys_per_split=32)),
-    ("wg 128 keys/group 1 target 1024", dict(decode_workgroup=128, decode_keys_per_group=1, decode_target_workgroups=1024, decode_min_keys_per_split=32)),
-    ("wg 128 keys/group 1 target 2048", dict(decode_workgroup=128, decode_keys_per_group=1, decode_target_workgroups=2048, decode_min_keys_per_split=16)),
-    ("lanes 16 keys/group 1 target 512", dict(decode_lanes_per_key=16, decode_keys_per_group=1, decode_target_workgroups=512, decode_min_keys_per_split=32)),  # where the adapter's own tuning does not (CPU adapters)
+    (
+        "wg 128 keys/group 1 target 1024",
+        dict(decode_workgroup=128, decode_keys_per_group=1, decode_target_workgroups=1024, decode_min_keys_per_split=32),
+    ),
+    (
+        "wg 128 keys/group 1 target 2048",
+        dict(decode_workgroup=128, decode_keys_per_group=1, decode_target_workgroups=2048, decode_min_keys_per_split=16),
+    ),
+    (
+        "lanes 16 keys/group 1 target 512",
+        dict(decode_lanes_per_key=16, decode_keys_per_group=1, decode_target_workgroups=512, decode_min_keys_per_split=32),
+    ),  # where the adapter's own tuning does not (CPU adapters)
 ]
 
 
@@ -208,8 +217,12 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {
 
 
 def warmer_program(cache_vec: str) -> Program:
-    return Program(template="clock_warmer.wgsl.jinja", bindings=(Binding("key_cache", cache_vec), Binding("output", "vec4<f32>", writable=True)),
-                   uniforms=(("iterations", "u32"),), constants=())
+    return Program(
+        template="clock_warmer.wgsl.jinja",
+        bindings=(Binding("key_cache", cache_vec), Binding("output", "vec4<f32>", writable=True)),
+        uniforms=(("iterations", "u32"),),
+        constants=(),
+    )
 
 
 WARMER = warmer_program("vec4<f32>")
@@ -272,8 +285,9 @@ def settled_seconds(samples: list[dict]) -> dict:
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def time_candidate(executor, call, case: Case, reps: int, repeats: int, warm_seconds: float, clock,
-                   whole_pass: bool = False) -> tuple[dict, np.ndarray, float | None, float | None]:
+def time_candidate(
+    executor, call, case: Case, reps: int, repeats: int, warm_seconds: float, clock, whole_pass: bool = False
+) -> tuple[dict, np.ndarray, float | None, float | None]:
     """Settled GPU seconds per dispatch over reps calls, the output of a plain call, the
     median SM clock (MHz, None without NVML) read as each timed call ended, and with
     ``whole_pass`` the median GPU seconds per call of the repetitions timed as one pass.
@@ -327,8 +341,10 @@ def run_sweep(args) -> int:
         print("this adapter has no timestamp queries: GPU times cannot be measured", file=sys.stderr)
         return 2
     base = base_executor.tuning
-    print(f"# {' '.join(sys.argv)}\n# adapter {context.description}, workgroup memory {context.workgroup_storage_bytes} B, "
-          f"binding {context.max_binding_bytes} B\n# base tuning: {base}\n")
+    print(
+        f"# {' '.join(sys.argv)}\n# adapter {context.description}, workgroup memory {context.workgroup_storage_bytes} B, "
+        f"binding {context.max_binding_bytes} B\n# base tuning: {base}\n"
+    )
     cases = [Case("prefill", s, None, "f32") for s in args.prefill]
     cases += [Case("decode", 1, p, cache) for p in args.decode for cache in ("f32", "f16")]
     wanted = set(args.only or [])
@@ -361,8 +377,9 @@ def run_sweep(args) -> int:
             for name, fields in candidates:
                 executor = WebGPUExecutor(context, dataclasses.replace(base, **fields))
                 try:
-                    seconds, output, mhz, one_pass = time_candidate(executor, call, case, args.reps, args.repeats, warm_seconds, clock,
-                                                                    args.whole_pass)
+                    seconds, output, mhz, one_pass = time_candidate(
+                        executor, call, case, args.reps, args.repeats, warm_seconds, clock, args.whole_pass
+                    )
                 finally:
                     executor.release("")
                 error = spot_check(inputs, output, attrs["sparse_block_size"], 8, rng)
@@ -378,8 +395,11 @@ def run_sweep(args) -> int:
             passes = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in seconds.items())
             ok = error <= tolerance
             whole = f" {one_pass * 1e3:.3f} |" if args.whole_pass else ""
-            print(f"| {case.label} | {name} | {passes} | {attention * 1e3:.3f} | {total * 1e3:.3f} |{whole} {rate} | "
-                  f"{error:.1e}{'' if ok else ' FAIL'} | {'-' if mhz is None else f'{mhz:.0f}'} |", flush=True)
+            print(
+                f"| {case.label} | {name} | {passes} | {attention * 1e3:.3f} | {total * 1e3:.3f} |{whole} {rate} | "
+                f"{error:.1e}{'' if ok else ' FAIL'} | {'-' if mhz is None else f'{mhz:.0f}'} |",
+                flush=True,
+            )
             if ok and (case.label not in best or total < best[case.label][0]):
                 best[case.label] = (total, name)
     print(f"\nSweep took {time.perf_counter() - started:.0f} s.\n\nBest per case (whole call, GPU ms):")
@@ -414,7 +434,9 @@ def lavapipe_check(args) -> int:
             walls.append(time.perf_counter() - start)
             gpus.append(result.stats.gpu_total)
         candidate.release("")
-        timings.append((name, statistics.median(walls), statistics.median(gpus), spot_check(inputs, result.output, attrs["sparse_block_size"], 8, rng)))
+        timings.append(
+            (name, statistics.median(walls), statistics.median(gpus), spot_check(inputs, result.output, attrs["sparse_block_size"], 8, rng))
+        )
 
     # numpy: dense causal attention of the same shape (rotated q and k, every causal pair).
     h, nh, nkv = config.head_size, config.num_heads, config.kv_num_heads
@@ -446,8 +468,10 @@ def lavapipe_check(args) -> int:
     numpy_s = statistics.median(dense_times)
     flops = float(counts.sum()) * 4 * h
     print(f"# {' '.join(sys.argv)}\n# adapter {executor.context.description}, {os.cpu_count()} CPUs")
-    print(f"prefill {seq_len}, {nh}/{nkv} heads, head {h}, block {config.sparse_block_size}, {config.local_blocks} local blocks, "
-          f"vertical stride 8: {counts.sum() / causal:.1%} of the causal pairs selected ({flops / 1e9:.2f} GFLOP)")
+    print(
+        f"prefill {seq_len}, {nh}/{nkv} heads, head {h}, block {config.sparse_block_size}, {config.local_blocks} local blocks, "
+        f"vertical stride 8: {counts.sum() / causal:.1%} of the causal pairs selected ({flops / 1e9:.2f} GFLOP)"
+    )
     print("| what | call ms (wall) | GPU ms (all passes) | GPU / numpy | GFLOP/s | max err |")
     print("|---|---|---|---|---|---|")
     print(f"| numpy dense causal (float32, OpenBLAS) | {numpy_s * 1e3:.1f} | - | 1.00x | - | - |")
@@ -463,13 +487,19 @@ def main() -> int:
     parser.add_argument("--decode", type=int, nargs="*", default=None, help="histories of a decode step (default 8191)")
     parser.add_argument("--reps", type=positive, default=None, help="timed calls per candidate and round (default 3)")
     parser.add_argument("--repeats", type=positive, default=None, help="dispatch list repetitions per call (default 10, --quick 2)")
-    parser.add_argument("--rounds", type=positive, default=None, help="round-robin passes over each case's candidates, the least time counts (default 2, --quick 1)")
+    parser.add_argument(
+        "--rounds", type=positive, default=None, help="round-robin passes over each case's candidates, the least time counts (default 2, --quick 1)"
+    )
     parser.add_argument("--only", nargs="*", help="candidate names to run besides 'default'")
-    parser.add_argument("--warm-seconds", type=float, default=WARM_SECONDS,
-                        help="GPU seconds of the warmer before each timed call (default %(default)s; see WARM_SECONDS; "
-                             "none with --quick or on CPU adapters)")
-    parser.add_argument("--whole-pass", action="store_true",
-                        help="also time the call's dispatches repeated in one pass ('one pass ms'; see time_candidate)")
+    parser.add_argument(
+        "--warm-seconds",
+        type=float,
+        default=WARM_SECONDS,
+        help="GPU seconds of the warmer before each timed call (default %(default)s; see WARM_SECONDS; none with --quick or on CPU adapters)",
+    )
+    parser.add_argument(
+        "--whole-pass", action="store_true", help="also time the call's dispatches repeated in one pass ('one pass ms'; see time_candidate)"
+    )
     parser.add_argument("--lavapipe-check", action="store_true", help="sparse prefill vs numpy dense causal attention")
     parser.add_argument("--check-len", type=int, default=2048)
     parser.add_argument("--check-local-blocks", type=int, default=2, help="2: about 20%% of the causal pairs at 2048")

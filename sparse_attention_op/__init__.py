@@ -9,13 +9,13 @@ Data flows one way: ORT -> bridge (a custom op handed ORT's own tensors, no copy
 never touches the GPU and the executor never parses ONNX.
 """
 
-from sparse_attention_op.ort.bridge import register
 from sparse_attention_op.generation.genai import load_genai_model, prepare_genai_folder
 from sparse_attention_op.generation.loop import GenerationError, GenerationResult, Sampling, generate
+from sparse_attention_op.op.spec import SparseAttentionError, SparseAttentionInputError
+from sparse_attention_op.ort.bridge import register
 from sparse_attention_op.ort.io_binding import bind_shared
 from sparse_attention_op.ort.model import prepare_model
 from sparse_attention_op.ort.session import SparseAttentionSession, create_session, session_options
-from sparse_attention_op.op.spec import SparseAttentionError, SparseAttentionInputError
 from sparse_attention_op.webgpu.executor import GpuExecutionError
 
 __all__ = [

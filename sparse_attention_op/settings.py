@@ -121,8 +121,7 @@ def environment(name: str, default: str = "") -> str:
         if new == name and old in os.environ:
             if old not in _warned:
                 _warned.add(old)
-                warnings.warn(f"{old} is deprecated: set {new} instead (the old name goes in the next release)",
-                              DeprecationWarning, stacklevel=2)
+                warnings.warn(f"{old} is deprecated: set {new} instead (the old name goes in the next release)", DeprecationWarning, stacklevel=2)
             return os.environ[old]
     return default
 

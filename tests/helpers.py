@@ -7,9 +7,9 @@ import threading
 import numpy as np
 import onnxruntime as ort
 
-from sparse_attention_op.ort.presents import scatter_presents
 from sparse_attention_op.op.reference import sparse_attention_reference
 from sparse_attention_op.op.spec import OpAttributes, build_call
+from sparse_attention_op.ort.presents import scatter_presents
 
 TOLERANCE = 2e-3  # absolute and relative, float32 (the acceptance bound)
 

@@ -90,8 +90,9 @@ def test_inspect_a_genai_folder(capsys):
 def test_inspect_says_when_create_session_would_refuse_the_model(capsys, tmp_path):
     """Every weight in external files (layouts included); then one layer's layout broken."""
     model = onnx.load(str(TINY / "model.onnx"))
-    onnx.save(model, str(tmp_path / "external.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
-              location="weights.bin", size_threshold=0)
+    onnx.save(
+        model, str(tmp_path / "external.onnx"), save_as_external_data=True, all_tensors_to_one_file=True, location="weights.bin", size_threshold=0
+    )
     code, out, err = run_cli(capsys, "inspect", tmp_path / "external.onnx")
     assert code == 0 and out.rstrip().endswith("create_session loads this model"), out + err
     model = onnx.load(str(TINY / "model.onnx"))  # saving with external data rewrote the first copy's tensors
@@ -128,8 +129,7 @@ def test_inspect_refuses_what_is_not_a_model(capsys, tmp_path):
 
 @pytest.mark.parametrize("folder", [TINY, TINY_F16], ids=["float32", "float16"])
 def test_run_agrees_with_ort_cpu(capsys, folder, tmp_path):
-    code, out, err = run_cli(capsys, "run", folder, "--seq", 6, "--past", 34, "--capacity", 64, "--compare-ort",
-                             "--save", tmp_path / "out.npz")
+    code, out, err = run_cli(capsys, "run", folder, "--seq", 6, "--past", 34, "--capacity", 64, "--compare-ort", "--save", tmp_path / "out.npz")
     assert code == 0, err
     table = [line.split() for line in out.splitlines() if line.startswith(("logits", "present."))]
     assert len(table) == 9 and all(row[-1] == "yes" for row in table), out
@@ -177,17 +177,20 @@ def test_an_exported_graph_runs_without_being_told_its_head_size(capsys, tmp_pat
     assert "query [1, 8, 384]" in out and "cos_cache [13, 8]" in out  # (4 + 2 * 2) * 48; rotary_dim / 2
 
 
-@pytest.mark.parametrize("options, message", [
-    (["--head-size", 12], "SparseAttention input 'query': head_size must be a positive multiple of 8, got 12"),
-    (["--block", 12, "--max-cache-len", 48], "'sparse_block_size': must be a positive power of two"),
-    (["--rotary", "--rotary-dim", 8], "'cos_cache': dimension 1 (rotary_dim / 2) must be a positive multiple of 8"),
-    (["--rotary", "--head-size", 24], "head_size must be a multiple of 16 when do_rotary = 1"),
-    (["--rotary-dim", 16], "--rotary-dim applies to the rotary embedding: add --rotary"),
-    (["--interleaved"], "--interleaved applies to the rotary embedding: add --rotary"),
-    (["--past", -2], "--past must be >= 0, got -2"),
-    (["--local-blocks", -1], "--local-blocks must be >= 0"),
-    (["--vert-stride", 0], "--vert-stride must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--head-size", 12], "SparseAttention input 'query': head_size must be a positive multiple of 8, got 12"),
+        (["--block", 12, "--max-cache-len", 48], "'sparse_block_size': must be a positive power of two"),
+        (["--rotary", "--rotary-dim", 8], "'cos_cache': dimension 1 (rotary_dim / 2) must be a positive multiple of 8"),
+        (["--rotary", "--head-size", 24], "head_size must be a multiple of 16 when do_rotary = 1"),
+        (["--rotary-dim", 16], "--rotary-dim applies to the rotary embedding: add --rotary"),
+        (["--interleaved"], "--interleaved applies to the rotary embedding: add --rotary"),
+        (["--past", -2], "--past must be >= 0, got -2"),
+        (["--local-blocks", -1], "--local-blocks must be >= 0"),
+        (["--vert-stride", 0], "--vert-stride must be at least 1"),
+    ],
+)
 def test_export_graph_refuses_what_the_op_would_refuse(capsys, tmp_path, options, message):
     """Usage errors, as argparse's own: the command's usage, one error line, exit 2."""
     graph = tmp_path / "graph.onnx"
@@ -201,8 +204,22 @@ def test_export_graph_refuses_what_the_op_would_refuse(capsys, tmp_path, options
 
 def test_generate_json_matches_the_api_and_ort(capsys, tmp_path):
     out_json = tmp_path / "tokens.json"
-    code, out, err = run_cli(capsys, "generate", TINY, "--prompt-ids", "5,17,33", "--prompt-ids", "9,8,7,6,5,4,3,2,40,41",
-                             "--max-new-tokens", 12, "--compare-ort", "--no-stop", "--json", out_json, "--no-progress")
+    code, out, err = run_cli(
+        capsys,
+        "generate",
+        TINY,
+        "--prompt-ids",
+        "5,17,33",
+        "--prompt-ids",
+        "9,8,7,6,5,4,3,2,40,41",
+        "--max-new-tokens",
+        12,
+        "--compare-ort",
+        "--no-stop",
+        "--json",
+        out_json,
+        "--no-progress",
+    )
     assert code == 0, err
     assert "ONNX Runtime's CPU kernel: identical tokens" in out
     document = json.loads(out_json.read_text())
@@ -222,7 +239,7 @@ def test_generate_stops_at_the_folders_eos(capsys, tmp_path):
     (folder / "genai_config.json").write_text(json.dumps(config))
     code, out, err = run_cli(capsys, "generate", folder, "--prompt-ids", "5,17,33", "--max-new-tokens", 8, "--json", "-", "--no-progress")
     assert code == 0, err
-    document = json.loads(out[out.index("{"):])
+    document = json.loads(out[out.index("{") :])
     assert document["tokens"] == [free[: free.index(free[2]) + 1]]
 
 
@@ -259,8 +276,24 @@ def test_export_decoder_then_generate_and_inspect(capsys, tmp_path):
 
 
 def test_bench_writes_json_and_a_plot(capsys, tmp_path):
-    code, out, err = run_cli(capsys, "bench", "--prefill", 128, "--decode", 127, "--capacity", 256, "--layouts", "dense",
-                             "--reps", 1, "--json", tmp_path / "bench.json", "--plot", tmp_path / "bench.png")
+    code, out, err = run_cli(
+        capsys,
+        "bench",
+        "--prefill",
+        128,
+        "--decode",
+        127,
+        "--capacity",
+        256,
+        "--layouts",
+        "dense",
+        "--reps",
+        1,
+        "--json",
+        tmp_path / "bench.json",
+        "--plot",
+        tmp_path / "bench.png",
+    )
     assert code == 0, err
     document = json.loads((tmp_path / "bench.json").read_text())
     assert [row["kind"] for row in document["rows"]] == ["prefill", "decode"]
@@ -275,8 +308,7 @@ def test_options_that_would_be_ignored_are_refused(capsys, monkeypatch):
         assert usage.value.code == 2
         return capsys.readouterr().err
 
-    assert "--temperature, --seed only apply with --sample" in usage_error(
-        "generate", TINY, "--prompt-ids", "5", "--temperature", 0.5, "--seed", 3)
+    assert "--temperature, --seed only apply with --sample" in usage_error("generate", TINY, "--prompt-ids", "5", "--temperature", 0.5, "--seed", 3)
     assert "--top-k only apply with --sample" in usage_error("generate", TINY, "--prompt-ids", "5", "--top-k", 4)
     assert "--no-stop and --stop-ids contradict" in usage_error("generate", TINY, "--prompt-ids", "5", "--no-stop", "--stop-ids", "7")
     monkeypatch.setattr("sparse_attention_op.benchmarking.sweep.import_torch_cuda", lambda: None)
@@ -296,8 +328,25 @@ def test_options_that_would_be_ignored_are_refused(capsys, monkeypatch):
     assert code == 0 and "note: --capacity 100 does not apply to 'past_key': the model fixes its axis 2 at 256 rows" in err, err
     assert "note: --head-size 64 does not apply: the model declares head size 32" in err
     # Given with --sample, they reach the sampler.
-    code, out, err = run_cli(capsys, "generate", TINY, "--prompt-ids", "5", "--max-new-tokens", 2, "--sample", "--temperature", 0.5,
-                             "--top-k", 3, "--seed", 1, "--json", "-", "--no-progress")
+    code, out, err = run_cli(
+        capsys,
+        "generate",
+        TINY,
+        "--prompt-ids",
+        "5",
+        "--max-new-tokens",
+        2,
+        "--sample",
+        "--temperature",
+        0.5,
+        "--top-k",
+        3,
+        "--seed",
+        1,
+        "--json",
+        "-",
+        "--no-progress",
+    )
     assert code == 0 and len(json.loads(out)["tokens"][0]) == 2, err
 
 
@@ -315,8 +364,9 @@ def test_edge_cases_a_user_meets(capsys, tmp_path):
     code, _, err = run_cli(capsys, "generate", TINY, "--prompt-ids", "5", "--max-new-tokens", 1, "--json", "-", "--no-progress")
     assert code == 0 and "one token per row, from the prompt" in err
     # Sampled runs are compared but not judged.
-    code, out, _ = run_cli(capsys, "generate", TINY, "--prompt-ids", "5,6", "--prompt-ids", "7", "--max-new-tokens", 4, "--sample",
-                           "--compare-ort", "--no-progress")
+    code, out, _ = run_cli(
+        capsys, "generate", TINY, "--prompt-ids", "5,6", "--prompt-ids", "7", "--max-new-tokens", 4, "--sample", "--compare-ort", "--no-progress"
+    )
     assert code == 0 and "not judged" in out
     # --save names the file np.savez writes; --feeds that is no .npz archive is refused clearly.
     code, out, _ = run_cli(capsys, "run", TINY, "--seq", 4, "--save", tmp_path / "outputs")

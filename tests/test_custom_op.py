@@ -1,13 +1,12 @@
 """custom_op.py: ONNX Runtime custom ops whose kernel is Python, handed ORT's own tensors (no GPU)."""
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from sparse_attention_op.ort import extensions as _ortx_compat
 from sparse_attention_op.ort import custom_op
+from sparse_attention_op.ort import extensions as _ortx_compat
 from sparse_attention_op.ort.custom_op import FLOAT, INT64, OpDeclaration, Slot
 from sparse_attention_op.ort.session import session_options
 
@@ -21,8 +20,12 @@ def session(name, inputs, outputs, initializers=(), **attributes):
     constant = {tensor.name for tensor in initializers}
     node = helper.make_node(name, [n for n, _ in inputs], [n for n, _ in outputs], domain="ai.onnx.contrib", **attributes)
     graph = helper.make_graph(
-        [node], "g", [helper.make_tensor_value_info(n, t, None) for n, t in inputs if n and n not in constant],
-        [helper.make_tensor_value_info(n, t, None) for n, t in outputs if n], list(initializers))
+        [node],
+        "g",
+        [helper.make_tensor_value_info(n, t, None) for n, t in inputs if n and n not in constant],
+        [helper.make_tensor_value_info(n, t, None) for n, t in outputs if n],
+        list(initializers),
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.contrib", 1)], ir_version=10)
     return ort.InferenceSession(model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
 
@@ -91,8 +94,13 @@ def test_only_the_ops_rule_errors_read_as_rule_violations():
             raise KeyError("missing")
         context.output(0, x.shape)[...] = x
 
-    custom_op.define(OpDeclaration("SaoTestRuleErrors", (Slot(FLOAT),), (Slot(FLOAT),), ()), lambda attributes, constants: attributes,
-                     compute, _ortx_compat.library(), rule_errors=(RuleError,))
+    custom_op.define(
+        OpDeclaration("SaoTestRuleErrors", (Slot(FLOAT),), (Slot(FLOAT),), ()),
+        lambda attributes, constants: attributes,
+        compute,
+        _ortx_compat.library(),
+        rule_errors=(RuleError,),
+    )
     sess = session("SaoTestRuleErrors", [("x", TensorProto.FLOAT)], [("y", TensorProto.FLOAT)])
     options = ort.RunOptions()
     options.log_severity_level = 4
@@ -140,11 +148,24 @@ def test_constants_are_located_once_and_attributes_read_once_per_node():
         seen.append((kernel, table.ctypes.data, table.tolist()))
         context.output(0, context.input(0).shape)[...] = context.input(0) * table[0]
 
-    define("SaoTestConstant", (Slot(FLOAT), Slot(INT64)), (Slot(FLOAT),), compute, create,
-           attributes=(("factor", float), ("label", str), ("count", int), ("absent", int)))
+    define(
+        "SaoTestConstant",
+        (Slot(FLOAT), Slot(INT64)),
+        (Slot(FLOAT),),
+        compute,
+        create,
+        attributes=(("factor", float), ("label", str), ("count", int), ("absent", int)),
+    )
     table = numpy_helper.from_array(np.array([3, 4], np.int64), "table")
-    sess = session("SaoTestConstant", [("x", TensorProto.FLOAT), ("table", TensorProto.INT64)], [("y", TensorProto.FLOAT)],
-                   initializers=[table], factor=0.5, label="node one", count=7)
+    sess = session(
+        "SaoTestConstant",
+        [("x", TensorProto.FLOAT), ("table", TensorProto.INT64)],
+        [("y", TensorProto.FLOAT)],
+        initializers=[table],
+        factor=0.5,
+        label="node one",
+        count=7,
+    )
     assert made == [({"factor": 0.5, "label": "node one", "count": 7}, {1})]
     for _ in range(2):
         assert sess.run(None, {"x": np.ones(2, np.float32)})[0].tolist() == [3.0, 3.0]

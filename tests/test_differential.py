@@ -11,11 +11,11 @@ lavapipe by the example count.
 import numpy as np
 import onnxruntime as ort
 import pytest
+from helpers import assert_matches_reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sparse_attention_op as sao
-from helpers import assert_matches_reference
 from sparse_attention_op.testing.graphs import sparse_attention_model
 from sparse_attention_op.testing.inputs import CaseConfig, random_inputs
 
@@ -65,8 +65,7 @@ def run(session, way, feeds, past):
 
 
 @settings(max_examples=200, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(config=configs(), kv_check=st.sampled_from(["exact", "fast"]), way=st.sampled_from(["plain", "shared"]),
-       operations=OPERATIONS, data=st.data())
+@given(config=configs(), kv_check=st.sampled_from(["exact", "fast"]), way=st.sampled_from(["plain", "shared"]), operations=OPERATIONS, data=st.data())
 def test_sequences_match_the_reference(executor, config, kv_check, way, operations, data):
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
     capacity, b = config.max_cache_len, config.batch

@@ -82,8 +82,11 @@ def test_the_cli_reports_the_plugin_and_refuses_ep_webgpu_in_one_line(capsys, tm
     plugin = json.loads((tmp_path / "info.json").read_text())["webgpu_plugin_ep"]
     assert plugin["installed"] and plugin["devices"] == [] and "found no GPU adapter" in plugin["problem"]
     capsys.readouterr()
-    for argv in (["inspect", FOLDER, "--ep", "webgpu"], ["generate", FOLDER, "--prompt-ids", "1,2", "--ep", "webgpu"],
-                 ["run", FOLDER, "--ep", "webgpu"]):
+    for argv in (
+        ["inspect", FOLDER, "--ep", "webgpu"],
+        ["generate", FOLDER, "--prompt-ids", "1,2", "--ep", "webgpu"],
+        ["run", FOLDER, "--ep", "webgpu"],
+    ):
         assert main(argv) == 1
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and "found no GPU adapter" in err, err
@@ -137,8 +140,11 @@ def test_the_cli_generates_with_a_static_cache(tmp_path, capsys):
 def memcpy_bytes(session) -> list[int]:
     """Bytes of every copy ORT ran between devices in the profiled runs (its Memcpy nodes)."""
     events = json.load(open(session.end_profiling()))
-    return [int(e["args"].get("output_size", 0)) for e in events
-            if e.get("cat") == "Node" and e["args"].get("op_name") in ("MemcpyToHost", "MemcpyFromHost")]
+    return [
+        int(e["args"].get("output_size", 0))
+        for e in events
+        if e.get("cat") == "Node" and e["args"].get("op_name") in ("MemcpyToHost", "MemcpyFromHost")
+    ]
 
 
 @needs_device

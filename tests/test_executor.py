@@ -4,10 +4,10 @@ import dataclasses
 
 import numpy as np
 import pytest
-
 from helpers import assert_matches_reference, run_executor
-from sparse_attention_op.testing.inputs import CaseConfig, random_inputs
+
 from sparse_attention_op.op.reference import sparse_attention_reference
+from sparse_attention_op.testing.inputs import CaseConfig, random_inputs
 
 pytestmark = pytest.mark.gpu
 

@@ -33,8 +33,20 @@ from sparse_attention_op.testing.decoder_models import DecoderConfig, write_mode
 
 # Three layers, the last a dense GroupQueryAttention one (Phi-3-small's mix); blocks of 16
 # with 2 local blocks and a stride of 2, so sparsity bites from 32 tokens on.
-CONFIG = DecoderConfig(vocab_size=128, hidden=64, layers=3, num_heads=4, kv_num_heads=2, head_size=16, sparse_block_size=16,
-                       local_blocks=2, vert_stride=2, max_position=128, dense_every=3, intermediate=128)
+CONFIG = DecoderConfig(
+    vocab_size=128,
+    hidden=64,
+    layers=3,
+    num_heads=4,
+    kv_num_heads=2,
+    head_size=16,
+    sparse_block_size=16,
+    local_blocks=2,
+    vert_stride=2,
+    max_position=128,
+    dense_every=3,
+    intermediate=128,
+)
 PROMPT_LEN, MAX_LENGTH = 24, 72  # 48 new tokens per row
 NEW_TOKENS = MAX_LENGTH - PROMPT_LEN
 LIBRARY = Path(get_library_path())
@@ -86,8 +98,7 @@ def genai_generate(og, model, prompts, generator_out: list | None = None) -> lis
 def run_script(script: str, *args) -> subprocess.CompletedProcess:
     """Run ``script`` in a fresh interpreter; a signal (an abort) fails the test with the output."""
     env = dict(os.environ, XDG_RUNTIME_DIR=os.environ.get("XDG_RUNTIME_DIR", "/tmp"))
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script), *map(str, args)], capture_output=True, text=True,
-                          timeout=180, env=env)
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script), *map(str, args)], capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode >= 0, f"the process was killed by signal {-done.returncode} (an abort)\n{done.stdout}\n{done.stderr}"
     assert done.returncode == 0, f"exit status {done.returncode}\n{done.stdout}\n{done.stderr}"
     return done
@@ -116,7 +127,9 @@ def test_prepared_folder_copies_other_files_and_rewrites_the_model(source, prepa
         assert (prepared / name).read_bytes() == (source / name).read_bytes(), name
     model = onnx.load(str(prepared / "model.onnx"))
     assert not [n for n in model.graph.node if n.op_type == "SparseAttention"]
-    stamped = {SessionSettings.from_attribute(dict((a.name, a.s.decode()) for a in node.attribute)[SETTINGS_ATTRIBUTE]) for node in bridge_nodes(model)}
+    stamped = {
+        SessionSettings.from_attribute(dict((a.name, a.s.decode()) for a in node.attribute)[SETTINGS_ATTRIBUTE]) for node in bridge_nodes(model)
+    }
     assert stamped == {SessionSettings(kv_check="fast")}
     # The dense layer stays ORT's GroupQueryAttention.
     assert [n.op_type for n in model.graph.node if n.op_type == "GroupQueryAttention"] == ["GroupQueryAttention"]
@@ -164,7 +177,9 @@ def test_exact_check_and_external_data_under_genai(og, source, prompts, tmp_path
     assert (target / "model.onnx.data").read_bytes() == (external / "model.onnx.data").read_bytes()
     prepared = onnx.load(str(target / "model.onnx"), load_external_data=False)
     assert any(onnx.external_data_helper.uses_external_data(t) for t in prepared.graph.initializer)
-    stamped = {SessionSettings.from_attribute(dict((a.name, a.s.decode()) for a in node.attribute)[SETTINGS_ATTRIBUTE]) for node in bridge_nodes(prepared)}
+    stamped = {
+        SessionSettings.from_attribute(dict((a.name, a.s.decode()) for a in node.attribute)[SETTINGS_ATTRIBUTE]) for node in bridge_nodes(prepared)
+    }
     assert stamped == {SessionSettings(kv_check="exact")}
     ours = genai_generate(og, sao.load_genai_model(target), prompts)
     assert ours == genai_generate(og, og.Model(str(external)), prompts), "ORT's kernel on the external-data source"
@@ -235,7 +250,8 @@ def test_refused_call_under_genai_raises_and_logs(source, tmp_path):
             else:
                 print(label, "NOT RAISED")
         """,
-        target, unshared_source,
+        target,
+        unshared_source,
     )
     assert "ort RAISED" in done.stdout, done.stdout + done.stderr  # ORT's own kernel raises here
     raised = next(line for line in done.stdout.splitlines() if line.startswith("sao RAISED"))
@@ -364,9 +380,12 @@ def test_prepare_refuses_a_folder_without_sparse_attention(source, tmp_path):
     other = tmp_path / "dense"
     other.mkdir()
     (other / "genai_config.json").write_text(json.dumps({"model": {"decoder": {"filename": "x.onnx"}}}))
-    identity = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["a"], ["b"])], "g",
-                                      [onnx.helper.make_tensor_value_info("a", onnx.TensorProto.FLOAT, [1])],
-                                      [onnx.helper.make_tensor_value_info("b", onnx.TensorProto.FLOAT, [1])])
+    identity = onnx.helper.make_graph(
+        [onnx.helper.make_node("Identity", ["a"], ["b"])],
+        "g",
+        [onnx.helper.make_tensor_value_info("a", onnx.TensorProto.FLOAT, [1])],
+        [onnx.helper.make_tensor_value_info("b", onnx.TensorProto.FLOAT, [1])],
+    )
     onnx.save(onnx.helper.make_model(identity, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=10), str(other / "x.onnx"))
     with pytest.raises(ValueError, match="no model that genai_config.json names holds a SparseAttention node"):
         sao.prepare_genai_folder(other, tmp_path / "target")

@@ -15,8 +15,8 @@ import onnxruntime as ort
 import pytest
 
 import sparse_attention_op as sao
-from sparse_attention_op.testing.decoder_models import decoder_reference
 from sparse_attention_op.generation.loop import GenerationError, Sampling, _DecoderIO, _Loop, divergences, generate, prompt_logits
+from sparse_attention_op.testing.decoder_models import decoder_reference
 from sparse_attention_op.testing.graphs import sparse_attention_model
 from sparse_attention_op.testing.inputs import CaseConfig, random_inputs
 
@@ -92,7 +92,7 @@ def test_left_and_right_padded_arrays_equal_ragged_lists(bundled, rng):
     right_mask, left_mask = np.zeros_like(right), np.zeros_like(left)
     for b, row in enumerate(prompts):
         right[b, : len(row)], right_mask[b, : len(row)] = row, 1
-        left[b, width - len(row):], left_mask[b, width - len(row):] = row, 1
+        left[b, width - len(row) :], left_mask[b, width - len(row) :] = row, 1
     assert generate(session, right, 8, attention_mask=right_mask).tokens == expected
     assert generate(session, left, 8, attention_mask=left_mask).tokens == expected
 
@@ -241,7 +241,8 @@ def test_symbolic_cache_dims_int32_ids_and_position_ids(rng, tmp_path, capsys):
     with pytest.raises(GenerationError, match="fixed kv_heads and head_size"):
         generate(plain, prompts, 10)
     assert generate(plain, prompts[:1], 10, cache_dims=(2, 16)).tokens == expected[:1]
-    code = cli.main(["generate", str(exported), "--prompt-ids", ",".join(map(str, prompts[0])), "--max-new-tokens", "10",
-                     "--compare-ort", "--no-progress"])
+    code = cli.main(
+        ["generate", str(exported), "--prompt-ids", ",".join(map(str, prompts[0])), "--max-new-tokens", "10", "--compare-ort", "--no-progress"]
+    )
     out = capsys.readouterr().out
     assert code == 0 and "identical tokens" in out, out

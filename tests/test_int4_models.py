@@ -17,13 +17,31 @@ from onnx import helper, numpy_helper
 
 from sparse_attention_op.testing import decoder_models
 from sparse_attention_op.testing.decoder_models import (
-    DecoderConfig, build_decoder, decoder_reference, dequantize_int4, initializer_bytes, phi3_small_config, write_model_folder,
+    DecoderConfig,
+    build_decoder,
+    decoder_reference,
+    dequantize_int4,
+    initializer_bytes,
+    phi3_small_config,
+    write_model_folder,
 )
 from sparse_attention_op.testing.graphs import finish_model
 
 REPO = Path(__file__).resolve().parent.parent
-SMALL = DecoderConfig(vocab_size=96, hidden=64, layers=2, num_heads=4, kv_num_heads=2, head_size=16, local_blocks=2,
-                      vert_stride=2, max_position=128, dense_every=2, seed=7, intermediate=96)
+SMALL = DecoderConfig(
+    vocab_size=96,
+    hidden=64,
+    layers=2,
+    num_heads=4,
+    kv_num_heads=2,
+    head_size=16,
+    local_blocks=2,
+    vert_stride=2,
+    max_position=128,
+    dense_every=2,
+    seed=7,
+    intermediate=96,
+)
 NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
@@ -106,10 +124,14 @@ def test_drawn_bytes_mean_code_minus_8_times_scale(dtype, rng):
     np.testing.assert_array_equal(dequantize_int4(packed, scales), matrix)  # what decoder_reference uses
 
     elem = helper.np_dtype_to_tensor_dtype(np.dtype(NP_DTYPES[dtype]))
-    single = helper.make_node("MatMulNBits", ["a", *node.input[1:]], ["y"], domain=node.domain,
-                              **{a.name: a.i for a in node.attribute})
-    graph = helper.make_graph([single], "one_matmul", [helper.make_tensor_value_info("a", elem, [5, 96])],
-                              [helper.make_tensor_value_info("y", elem, [5, 64])], list(weights.values()))
+    single = helper.make_node("MatMulNBits", ["a", *node.input[1:]], ["y"], domain=node.domain, **{a.name: a.i for a in node.attribute})
+    graph = helper.make_graph(
+        [single],
+        "one_matmul",
+        [helper.make_tensor_value_info("a", elem, [5, 96])],
+        [helper.make_tensor_value_info("y", elem, [5, 64])],
+        list(weights.values()),
+    )
     a = rng.standard_normal((5, 96)).astype(NP_DTYPES[dtype])
     session = ort.InferenceSession(finish_model(graph).SerializeToString(), providers=["CPUExecutionProvider"])
     got = session.run(None, {"a": a})[0].astype(np.float64)
@@ -202,13 +224,16 @@ def load_build_script():
     return module
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--real-width", "--out", "/tmp/x"], "needs --layers N and --out FOLDER"),
-    (["--real-width", "--layers", "2"], "needs --layers N and --out FOLDER"),
-    (["--real-width", "--layers", "2", "--out", str(REPO / "models" / "big")], "must not be committed"),
-    (["--real-width", "--layers", "2", "--out", "/tmp/x", "--check"], "takes neither --check nor model names"),
-    (["--layers", "2"], "--layers only apply with --real-width"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--real-width", "--out", "/tmp/x"], "needs --layers N and --out FOLDER"),
+        (["--real-width", "--layers", "2"], "needs --layers N and --out FOLDER"),
+        (["--real-width", "--layers", "2", "--out", str(REPO / "models" / "big")], "must not be committed"),
+        (["--real-width", "--layers", "2", "--out", "/tmp/x", "--check"], "takes neither --check nor model names"),
+        (["--layers", "2"], "--layers only apply with --real-width"),
+    ],
+)
 def test_build_script_refuses_bad_real_width_requests(argv, message, capsys):
     script = load_build_script()
     with pytest.raises(SystemExit):

@@ -8,11 +8,11 @@ import dataclasses
 import numpy as np
 import pytest
 import wgpu
-
 from helpers import assert_matches_reference, run_executor
-from sparse_attention_op.testing.inputs import CaseConfig, random_inputs
+
 from sparse_attention_op.op.reference import sparse_attention_reference
 from sparse_attention_op.op.spec import OpAttributes, build_call
+from sparse_attention_op.testing.inputs import CaseConfig, random_inputs
 from sparse_attention_op.webgpu import kernels, native
 from sparse_attention_op.webgpu.executor import WebGPUExecutor
 from sparse_attention_op.webgpu.programs import BufferRange
@@ -21,8 +21,17 @@ from sparse_attention_op.webgpu.tuning import ROWS, SIMPLE, SPLIT, TILED, Tuning
 pytestmark = pytest.mark.gpu
 
 #: Small tiles, so that a test of tens of tokens crosses many tiles, block rows and key tiles.
-SMALL_TILES = dict(prefill_query_tile=16, prefill_key_tile=16, prefill_query_regs=2, prefill_key_regs=2,
-                   prefill_depth_chunk=2, prefill_value_chunk=8, prefill_min_queries=2, decode_max_queries=1, prefill_pass=TILED)
+SMALL_TILES = dict(
+    prefill_query_tile=16,
+    prefill_key_tile=16,
+    prefill_query_regs=2,
+    prefill_key_regs=2,
+    prefill_depth_chunk=2,
+    prefill_value_chunk=8,
+    prefill_min_queries=2,
+    decode_max_queries=1,
+    prefill_pass=TILED,
+)
 ROUTES = {
     TILED: dict(SMALL_TILES),
     "tiled-default": dict(prefill_min_queries=2, decode_max_queries=1, prefill_pass=TILED),
@@ -32,28 +41,48 @@ ROUTES = {
     "tiled-prepared-query": dict(SMALL_TILES, prefill_resident_query=False),
     # ...and staged without prefetch: the runtime loop over depth chunks, loads in each step.
     "tiled-prepared-no-prefetch": dict(SMALL_TILES, prefill_resident_query=False, prefill_prefetch=False),
-    SPLIT: dict(decode_max_queries=4096, decode_target_workgroups=4096, decode_min_keys_per_split=3, decode_fused_append=True,
-                decode_split_merges=True),
-    "split-unfused": dict(decode_max_queries=4096, decode_target_workgroups=4096, decode_min_keys_per_split=3, decode_fused_append=False,
-                          decode_split_merges=True),
+    SPLIT: dict(
+        decode_max_queries=4096, decode_target_workgroups=4096, decode_min_keys_per_split=3, decode_fused_append=True, decode_split_merges=True
+    ),
+    "split-unfused": dict(
+        decode_max_queries=4096, decode_target_workgroups=4096, decode_min_keys_per_split=3, decode_fused_append=False, decode_split_merges=True
+    ),
     # The merge as a pass of its own (by default the split pass's last slices merge).
-    "split-merge-pass": dict(decode_max_queries=4096, decode_target_workgroups=4096, decode_min_keys_per_split=3, decode_fused_append=True,
-                             decode_split_merges=False),
+    "split-merge-pass": dict(
+        decode_max_queries=4096, decode_target_workgroups=4096, decode_min_keys_per_split=3, decode_fused_append=True, decode_split_merges=False
+    ),
     # One slice per query in small tiles (64 invocations: 32 keys a tile at head size 16), so
     # a slice walks several history tiles before the tile of this call's own rows, the only
     # one that reads the inputs; fused (CPU adapters' own tuning does not fuse).
-    "split-tiles": dict(decode_max_queries=4096, decode_target_workgroups=1, decode_workgroup=64, decode_fused_append=True,
-                        decode_split_merges=True),
+    "split-tiles": dict(decode_max_queries=4096, decode_target_workgroups=1, decode_workgroup=64, decode_fused_append=True, decode_split_merges=True),
     # One key per lane group and tile (the GPUs' default; CPU adapters score 2).
-    "split-one-key": dict(decode_max_queries=4096, decode_target_workgroups=4096, decode_min_keys_per_split=3, decode_fused_append=True,
-                          decode_split_merges=True, decode_keys_per_group=1),
+    "split-one-key": dict(
+        decode_max_queries=4096,
+        decode_target_workgroups=4096,
+        decode_min_keys_per_split=3,
+        decode_fused_append=True,
+        decode_split_merges=True,
+        decode_keys_per_group=1,
+    ),
     # Every lane group loading and rotating the query itself (by default it is rotated once
     # per workgroup into workgroup memory: Tuning.decode_shared_query).
-    "split-per-lane-query": dict(decode_max_queries=4096, decode_target_workgroups=4096, decode_min_keys_per_split=3, decode_fused_append=True,
-                                 decode_split_merges=True, decode_shared_query=False),
+    "split-per-lane-query": dict(
+        decode_max_queries=4096,
+        decode_target_workgroups=4096,
+        decode_min_keys_per_split=3,
+        decode_fused_append=True,
+        decode_split_merges=True,
+        decode_shared_query=False,
+    ),
     # ...in slices of several tiles, with the merge pass and the append pass (CPU adapters' way).
-    "split-tiles-per-lane-query": dict(decode_max_queries=4096, decode_target_workgroups=1, decode_workgroup=64, decode_fused_append=False,
-                                       decode_split_merges=False, decode_shared_query=False),
+    "split-tiles-per-lane-query": dict(
+        decode_max_queries=4096,
+        decode_target_workgroups=1,
+        decode_workgroup=64,
+        decode_fused_append=False,
+        decode_split_merges=False,
+        decode_shared_query=False,
+    ),
     ROWS: dict(prefill_pass=ROWS, rows_lanes=8, rows_query_regs=2, prefill_min_queries=1, decode_max_queries=0),
     SIMPLE: dict(decode_max_queries=0, prefill_min_queries=1 << 30),
 }
@@ -102,8 +131,9 @@ def decode_route(route) -> str:
     return SPLIT if route.startswith((TILED, SPLIT)) else route
 
 
-@pytest.mark.parametrize("route", [TILED, "tiled-default", "tiled-no-prefetch", "tiled-dot-scores", "tiled-prepared-query",
-                                   "tiled-prepared-no-prefetch", ROWS, SIMPLE])
+@pytest.mark.parametrize(
+    "route", [TILED, "tiled-default", "tiled-no-prefetch", "tiled-dot-scores", "tiled-prepared-query", "tiled-prepared-no-prefetch", ROWS, SIMPLE]
+)
 @pytest.mark.parametrize("seq_len", [16, 37, 70])
 def test_prompt_tiles_cross_block_rows_and_the_diagonal(executor, rng, route, seq_len):
     # Blocks of 32 with tiles of 16: two query tiles per block row, key tiles inside and
@@ -200,8 +230,9 @@ def test_a_nan_input_makes_the_rows_that_read_it_nan(executor, rng, route):
     """As ORT's kernel and the reference: not the "no visible key" average, which is finite."""
     runner, expect = forced(executor, route)
     decode = route.startswith(SPLIT)
-    config = CaseConfig(seq_len=1 if decode else 12, past_lengths=(20,) if decode else None, max_cache_len=32,
-                        sparse_block_size=8, num_layout=2, do_rotary=True)
+    config = CaseConfig(
+        seq_len=1 if decode else 12, past_lengths=(20,) if decode else None, max_cache_len=32, sparse_block_size=8, num_layout=2, do_rotary=True
+    )
     inputs = random_inputs(config, rng)
     inputs["query"][0, 0, 3] = np.nan  # token 0, head 0
     if decode:
@@ -218,8 +249,9 @@ def test_a_nan_input_makes_the_rows_that_read_it_nan(executor, rng, route):
     assert np.allclose(output[finite], reference[finite], atol=2e-3)
 
 
-@pytest.mark.parametrize("route", [SPLIT, "split-unfused", "split-one-key", "split-tiles", "split-merge-pass", "split-per-lane-query",
-                                   "split-tiles-per-lane-query"])
+@pytest.mark.parametrize(
+    "route", [SPLIT, "split-unfused", "split-one-key", "split-tiles", "split-merge-pass", "split-per-lane-query", "split-tiles-per-lane-query"]
+)
 def test_decode_with_no_visible_key(executor, rng, route):
     runner, _ = forced(executor, route)
     config = CaseConfig(seq_len=1, past_lengths=(19,), max_cache_len=32, sparse_block_size=8, num_layout=2)
@@ -250,14 +282,18 @@ def test_rotary_queries(executor, rng, route, rotary):
 _TILED_ONLY = dict(prefill_min_queries=2, decode_max_queries=1, prefill_pass=TILED)
 
 
-@pytest.mark.parametrize("tiles,head_size,case", [
-    ("default", 128, dict(do_rotary=True)),
-    ("default", 32, dict(do_rotary=True, rotary_interleaved=True)),
-    ("default", 144, dict(do_rotary=True, rotary_dim=64)),
-    ("default", 136, dict()),  # 34 head vec4s: the last depth chunk is short
-    ("default", 64, dict(do_rotary=True, batch=2, past_lengths=None, prompt_lengths=(75, 50))),
-    ("small", 32, dict(do_rotary=True)),  # small tiles: the Q and K staging loops end in partial rounds
-], ids=["rotary", "interleaved", "partial-rotary", "short-chunk", "ragged-batch", "small-tiles"])
+@pytest.mark.parametrize(
+    "tiles,head_size,case",
+    [
+        ("default", 128, dict(do_rotary=True)),
+        ("default", 32, dict(do_rotary=True, rotary_interleaved=True)),
+        ("default", 144, dict(do_rotary=True, rotary_dim=64)),
+        ("default", 136, dict()),  # 34 head vec4s: the last depth chunk is short
+        ("default", 64, dict(do_rotary=True, batch=2, past_lengths=None, prompt_lengths=(75, 50))),
+        ("small", 32, dict(do_rotary=True)),  # small tiles: the Q and K staging loops end in partial rounds
+    ],
+    ids=["rotary", "interleaved", "partial-rotary", "short-chunk", "ragged-batch", "small-tiles"],
+)
 def test_resident_queries_equal_prepared_queries(executor, rng, tiles, head_size, case):
     # The tiled pass rotating and scaling its queries itself computes what query_prep
     # writes, in the same order, so the outputs are bit-identical: a wrong partner, table
@@ -266,8 +302,23 @@ def test_resident_queries_equal_prepared_queries(executor, rng, tiles, head_size
     # share positions, so no call can tell a table row of the wrong batch row.)
     fields = dict(SMALL_TILES) if tiles == "small" else dict(_TILED_ONLY)
     resident, prepared = executor_for(executor, fields), executor_for(executor, dict(fields, prefill_resident_query=False))
-    config = CaseConfig(**dict(dict(seq_len=75, past_lengths=(21,), max_cache_len=160, sparse_block_size=64, head_size=head_size, num_heads=4,
-                                    kv_num_heads=2, local_blocks=1, vert_stride=2, packed=True), **case))
+    config = CaseConfig(
+        **dict(
+            dict(
+                seq_len=75,
+                past_lengths=(21,),
+                max_cache_len=160,
+                sparse_block_size=64,
+                head_size=head_size,
+                num_heads=4,
+                kv_num_heads=2,
+                local_blocks=1,
+                vert_stride=2,
+                packed=True,
+            ),
+            **case,
+        )
+    )
     inputs = random_inputs(config, rng)
     shape = build_call(inputs, OpAttributes.from_mapping(config.node_attributes())).shape
     tiling = resident.tuning.prefill_tiling(shape)
@@ -280,8 +331,10 @@ def test_resident_queries_equal_prepared_queries(executor, rng, tiles, head_size
     output = run_executor(resident, inputs, config.node_attributes(), "resident")[0]
     assert_matches_reference(expected, inputs, config.node_attributes(), what="prepared queries")
     np.testing.assert_array_equal(output, expected[0])
-    labels = {name: [launch.label for launch in runner.node_state(name).step_plan.launches]
-              for name, runner in (("resident", resident), ("prepared", prepared))}
+    labels = {
+        name: [launch.label for launch in runner.node_state(name).step_plan.launches]
+        for name, runner in (("resident", resident), ("prepared", prepared))
+    }
     assert labels == {"resident": ["kv_append", "attention_tiled"], "prepared": ["kv_append", "query_prep", "attention_tiled"]}
 
 
@@ -297,8 +350,9 @@ def test_queries_too_large_for_registers_keep_the_prepared_pass(executor, rng):
 def test_split_k_with_more_slices_than_keys(executor, rng, merges):
     # Up to 64 slices of one key each, for queries that see from 1 to 20 keys: most slices
     # are empty and must drop out of the merge (41 slices count themselves in per query).
-    runner = executor_for(executor, dict(decode_max_queries=16, decode_target_workgroups=1 << 20, decode_min_keys_per_split=1,
-                                         decode_split_merges=merges))
+    runner = executor_for(
+        executor, dict(decode_max_queries=16, decode_target_workgroups=1 << 20, decode_min_keys_per_split=1, decode_split_merges=merges)
+    )
     config = CaseConfig(batch=3, seq_len=1, past_lengths=(0, 7, 40), max_cache_len=48, sparse_block_size=8, local_blocks=1, vert_stride=4)
     inputs = random_inputs(config, rng)
     shape = build_call(inputs, OpAttributes.from_mapping(config.node_attributes())).shape
@@ -306,7 +360,9 @@ def test_split_k_with_more_slices_than_keys(executor, rng, merges):
     check(runner, config, rng, SPLIT, inputs=inputs)
 
 
-@pytest.mark.parametrize("rotary", [dict(do_rotary=True), dict(do_rotary=True, rotary_interleaved=True), dict()], ids=["rotary", "interleaved", "none"])
+@pytest.mark.parametrize(
+    "rotary", [dict(do_rotary=True), dict(do_rotary=True, rotary_interleaved=True), dict()], ids=["rotary", "interleaved", "none"]
+)
 def test_a_query_shared_in_workgroup_memory_equals_per_lane_queries(executor, rng, rotary):
     # The same rotate() of the same rows, by one invocation instead of every lane group:
     # equal outputs (assert_same_arithmetic: a driver may contract the rotation's
@@ -387,17 +443,20 @@ def test_chunk_whose_last_slots_hold_history_rows(executor, rng, route):
     check(runner, config, rng, SPLIT, inputs=inputs)
 
 
-@pytest.mark.parametrize("fields, passes", [
-    (dict(decode_fused_append=True), ["attention_split"]),
-    (dict(decode_fused_append=False), ["kv_append", "attention_split"]),
-    (dict(decode_split_merges=False), ["attention_split", "attention_merge"]),
-    (dict(coherent_storage=False), ["attention_split", "attention_merge"]),  # no @coherent: the merge reads stale partials
-    # Rotary and packed: a split pass that merges and writes the rows binds 14 buffers, one
-    # that merges only 11, the fused passes without it 11 each.
-    (dict(max_storage_buffers=13), ["attention_split", "attention_merge"]),
-    (dict(max_storage_buffers=11), ["attention_split", "attention_merge"]),
-    (dict(max_storage_buffers=10), ["kv_append", "attention_split", "attention_merge"]),
-])
+@pytest.mark.parametrize(
+    "fields, passes",
+    [
+        (dict(decode_fused_append=True), ["attention_split"]),
+        (dict(decode_fused_append=False), ["kv_append", "attention_split"]),
+        (dict(decode_split_merges=False), ["attention_split", "attention_merge"]),
+        (dict(coherent_storage=False), ["attention_split", "attention_merge"]),  # no @coherent: the merge reads stale partials
+        # Rotary and packed: a split pass that merges and writes the rows binds 14 buffers, one
+        # that merges only 11, the fused passes without it 11 each.
+        (dict(max_storage_buffers=13), ["attention_split", "attention_merge"]),
+        (dict(max_storage_buffers=11), ["attention_split", "attention_merge"]),
+        (dict(max_storage_buffers=10), ["kv_append", "attention_split", "attention_merge"]),
+    ],
+)
 def test_decode_passes_are_as_few_as_the_adapter_binds(executor, rng, fields, passes):
     runner = executor_for(executor, dict(ROUTES[SPLIT], **fields))
     config = CaseConfig(batch=2, seq_len=1, past_lengths=(9, 30), max_cache_len=40, do_rotary=True, packed=True)
@@ -431,8 +490,11 @@ def test_the_storage_buffers_tuning_counts_are_those_the_decode_passes_declare(r
         return Tuning(max_storage_buffers=buffers, coherent_storage=True, decode_fused_append=fused, decode_split_merges=merges)
 
     def bound(merges):
-        least = next(n for n in range(1, 64) if tuning(n, merges).decode_fuses_append(shape) == fused
-                     and tuning(n, merges).decode_merges_in_split(shape) == merges)
+        least = next(
+            n
+            for n in range(1, 64)
+            if tuning(n, merges).decode_fuses_append(shape) == fused and tuning(n, merges).decode_merges_in_split(shape) == merges
+        )
         dispatches = kernels.call_dispatches(shape, kernels.route(shape, tuning(least, merges)), cache, _AnyResource())
         return least, max(len(d.program.bindings) for d in dispatches), [d.label for d in dispatches]
 
@@ -449,8 +511,9 @@ def test_split_k_partials_stay_within_one_binding(executor, rng):
     inputs = random_inputs(config, rng)
     shape = build_call(inputs, OpAttributes.from_mapping(config.node_attributes())).shape
     per_slice = 2 * 4 * 16 * 4
-    runner = executor_for(executor, dict(decode_max_queries=16, decode_target_workgroups=4096, decode_min_keys_per_split=1,
-                                         max_binding_bytes=3 * per_slice + 100))
+    runner = executor_for(
+        executor, dict(decode_max_queries=16, decode_target_workgroups=4096, decode_min_keys_per_split=1, max_binding_bytes=3 * per_slice + 100)
+    )
     assert runner.tuning.decode_splits(shape) == 3
     assert max(kernels.scratch_bytes(shape, kernels.route(shape, runner.tuning)).values()) <= runner.tuning.max_binding_bytes
     check(runner, config, rng, SPLIT, inputs=inputs)
@@ -468,6 +531,7 @@ def test_rows_pass_without_one_whole_subgroup(executor, rng, lanes):
 
 def test_adapter_tuning_routes(executor):
     """What the adapter's own tuning picks: split-K for decode, a prefill pass for prompts."""
+
     def shape(seq_len, past=None, block=64):
         config = CaseConfig(seq_len=seq_len, past_lengths=past, max_cache_len=256, sparse_block_size=block, head_size=64)
         return build_call(random_inputs(config, np.random.default_rng(0)), OpAttributes.from_mapping(config.node_attributes())).shape
@@ -475,11 +539,12 @@ def test_adapter_tuning_routes(executor):
     tuning = executor.tuning
     assert tuning.attention_route(shape(1, (200,))) == SPLIT
     assert tuning.attention_route(shape(200)) in (TILED, ROWS)
-    h200 = choose_tuning({"max-compute-workgroup-storage-size": 49152, "max-storage-buffer-binding-size": 2**31 - 4,
-                          "max-compute-invocations-per-workgroup": 1024}, frozenset({"subgroup", "shader-f16"}))
+    h200 = choose_tuning(
+        {"max-compute-workgroup-storage-size": 49152, "max-storage-buffer-binding-size": 2**31 - 4, "max-compute-invocations-per-workgroup": 1024},
+        frozenset({"subgroup", "shader-f16"}),
+    )
     assert h200.attention_route(shape(200)) == TILED and h200.attention_route(shape(3, (100,))) == SPLIT
-    lavapipe = {"max-compute-workgroup-storage-size": 32768, "max-storage-buffer-binding-size": 2**27,
-                "max-compute-invocations-per-workgroup": 1024}
+    lavapipe = {"max-compute-workgroup-storage-size": 32768, "max-storage-buffer-binding-size": 2**27, "max-compute-invocations-per-workgroup": 1024}
     assert choose_tuning(lavapipe, frozenset({"subgroup"})).attention_route(shape(200)) == ROWS
     assert choose_tuning(lavapipe, frozenset()).attention_route(shape(200)) == TILED  # no shuffles: no rows pass
     assert choose_tuning(lavapipe, frozenset({"subgroup"}), adapter_type="DiscreteGPU").attention_route(shape(200)) == TILED
@@ -494,8 +559,18 @@ def test_adapter_tuning_routes(executor):
 
 def test_rows_and_tiled_agree_with_simple_on_a_long_prompt(executor, rng):
     # The Phi-3-small layout pattern at reduced width: many block rows with vertical stripes.
-    config = CaseConfig(seq_len=200, max_cache_len=256, sparse_block_size=16, num_heads=4, kv_num_heads=2, num_layout=4,
-                        local_blocks=3, vert_stride=4, head_size=64, do_rotary=True)
+    config = CaseConfig(
+        seq_len=200,
+        max_cache_len=256,
+        sparse_block_size=16,
+        num_heads=4,
+        kv_num_heads=2,
+        num_layout=4,
+        local_blocks=3,
+        vert_stride=4,
+        head_size=64,
+        do_rotary=True,
+    )
     inputs = random_inputs(config, rng)
     results = {}
     for route in ("tiled-default", ROWS, SIMPLE):
@@ -505,8 +580,9 @@ def test_rows_and_tiled_agree_with_simple_on_a_long_prompt(executor, rng):
     assert np.abs(results[ROWS] - results[SIMPLE]).max() < 1e-4
 
 
-@pytest.mark.parametrize("route", [TILED, "tiled-default", "tiled-prepared-query", SPLIT, "split-one-key", "split-merge-pass", "split-tiles", ROWS,
-                                   SIMPLE])
+@pytest.mark.parametrize(
+    "route", [TILED, "tiled-default", "tiled-prepared-query", SPLIT, "split-one-key", "split-merge-pass", "split-tiles", ROWS, SIMPLE]
+)
 def test_shaders_without_runtime_checks_compute_what_checked_shaders_compute(executor, rng, route):
     # Naga's index clamps and loop counters never act in these kernels (Tuning.shader_runtime_checks),
     # so leaving them out changes nothing but where the driver contracts multiply-adds
@@ -516,8 +592,18 @@ def test_shaders_without_runtime_checks_compute_what_checked_shaders_compute(exe
     unchecked, expect = forced(executor, route)
     checked = executor_for(executor, dict(ROUTES[route], shader_runtime_checks=True))
     assert checked.pipelines.runtime_checks and unchecked.pipelines.runtime_checks == (not native.UNCHECKED_SHADERS)
-    config = CaseConfig(seq_len=1 if expect == SPLIT else 37, past_lengths=(45,), max_cache_len=96, sparse_block_size=16, head_size=32,
-                        num_heads=4, kv_num_heads=2, local_blocks=2, vert_stride=2, do_rotary=True)
+    config = CaseConfig(
+        seq_len=1 if expect == SPLIT else 37,
+        past_lengths=(45,),
+        max_cache_len=96,
+        sparse_block_size=16,
+        head_size=32,
+        num_heads=4,
+        kv_num_heads=2,
+        local_blocks=2,
+        vert_stride=2,
+        do_rotary=True,
+    )
     inputs = random_inputs(config, rng)
     outputs = check(unchecked, config, rng, expect, inputs=inputs)
     expected = run_executor(checked, inputs, config.node_attributes(), "checked")
@@ -529,8 +615,10 @@ def test_shaders_without_runtime_checks_compute_what_checked_shaders_compute(exe
 def test_unchecked_shader_modules_report_wgsl_errors_as_checked_ones_do(executor):
     wgsl = "@compute @workgroup_size(1) fn main() { let x: u32 = 1.5; }"
     errors = []
-    for create in (lambda: executor.context.device.create_shader_module(code=wgsl, label="bad"),
-                   lambda: native.create_unchecked_shader_module(executor.context.device, wgsl, "bad")):
+    for create in (
+        lambda: executor.context.device.create_shader_module(code=wgsl, label="bad"),
+        lambda: native.create_unchecked_shader_module(executor.context.device, wgsl, "bad"),
+    ):
         with pytest.raises(wgpu.GPUError) as raised:
             create()
         errors.append(type(raised.value))

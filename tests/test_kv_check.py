@@ -14,22 +14,25 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from helpers import assert_close, assert_matches_reference, drop_buffer, run_in_threads
 
 import sparse_attention_op as sao
-from helpers import assert_close, assert_matches_reference, drop_buffer, run_in_threads
-from sparse_attention_op.webgpu.cache_record import RECORD_FRACTION, chunk_rows_for, probe_rows
+from sparse_attention_op import GpuExecutionError
+from sparse_attention_op.op.reference import sparse_attention_reference
 from sparse_attention_op.testing.graphs import sparse_attention_model
 from sparse_attention_op.testing.inputs import CaseConfig, random_inputs
-from sparse_attention_op.op.reference import sparse_attention_reference
-from sparse_attention_op import GpuExecutionError
+from sparse_attention_op.webgpu.cache_record import RECORD_FRACTION, chunk_rows_for, probe_rows
 
 pytestmark = pytest.mark.gpu
 
-CONFIG = CaseConfig(batch=3, seq_len=6, num_heads=4, kv_num_heads=2, head_size=32, max_cache_len=48,
-                    sparse_block_size=8, num_layout=2, do_rotary=True)
+CONFIG = CaseConfig(
+    batch=3, seq_len=6, num_heads=4, kv_num_heads=2, head_size=32, max_cache_len=48, sparse_block_size=8, num_layout=2, do_rotary=True
+)
 LAYOUT = ("block_row_indices", "block_col_indices", "cos_cache", "sin_cache")
 MODES = ["exact", "fast"]
 WAYS = ["plain", "shared"]
+
+
 def new_session(rng, kv_check, config=CONFIG, dtype=np.float32):
     inputs = random_inputs(config, rng)
     inputs = {k: (v.astype(dtype) if v.dtype == np.float32 else v) for k, v in inputs.items()}
@@ -78,7 +81,9 @@ class Generation:
 
     def next(self):
         """Pending inputs: one new token per row, after everything the row holds."""
-        self.config = CaseConfig(**{**self.config.__dict__, "seq_len": 1, "past_lengths": tuple(int(v) for v in self.lengths), "prompt_lengths": None})
+        self.config = CaseConfig(
+            **{**self.config.__dict__, "seq_len": 1, "past_lengths": tuple(int(v) for v in self.lengths), "prompt_lengths": None}
+        )
         self.inputs = self._inputs(self.config)
 
 
@@ -98,7 +103,11 @@ def test_bind_shared_names_each_mistake(rng):
     values = {name: ort.OrtValue.ortvalue_from_numpy(inputs[name]) for name in ("past_key", "past_value")}
     for arguments, error, message in [
         (dict(caches=values, outputs="output"), TypeError, "got the string 'output': write ('output',)"),
-        (dict(caches={"past_key": inputs["past_key"], "past_value": values["past_value"]}), TypeError, "caches['past_key'] must be an onnxruntime.OrtValue"),
+        (
+            dict(caches={"past_key": inputs["past_key"], "past_value": values["past_value"]}),
+            TypeError,
+            "caches['past_key'] must be an onnxruntime.OrtValue",
+        ),
         (dict(caches=values, outputs=("logits",)), KeyError, "'logits' is not an output of the session"),
         (dict(caches={"past_key": values["past_key"]}), KeyError, "maps 'present_value' to 'past_value', which caches lacks"),
     ]:
@@ -133,8 +142,9 @@ def test_pasts_are_read_wherever_ort_holds_them(executor, rng, kv_check):
     generation.step()
     binds = {
         "ortvalue": lambda binding, name, past: binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(past)),
-        "pointer": lambda binding, name, past: binding.bind_input(name, "cpu", 0, np.float32 if name == "past_key" else onnx.TensorProto.FLOAT,
-                                                                  past.shape, past.ctypes.data),
+        "pointer": lambda binding, name, past: binding.bind_input(
+            name, "cpu", 0, np.float32 if name == "past_key" else onnx.TensorProto.FLOAT, past.shape, past.ctypes.data
+        ),
         "fortran": lambda binding, name, past: binding.bind_cpu_input(name, np.asfortranarray(past)),
     }
     for way, bind in binds.items():
@@ -277,7 +287,7 @@ def test_fast_check_sees_an_edit_at_each_probed_pair(executor, rng, probe):
     b = 1
     past = tuple(int(v) for v in generation.lengths)
     probes = probe_rows(past, config.kv_num_heads, max(past) + 1)[b]
-    last = [(int(h), int(r)) for h, r in probes[: -8] if h != 0]  # a last row outside head 0
+    last = [(int(h), int(r)) for h, r in probes[:-8] if h != 0]  # a last row outside head 0
     spread = [(int(h), int(r)) for h, r in probes[-8:] if h != 0 and r < past[b] - 8]
     head, row = (last if probe == "last row" else spread)[0]
     generation.past[0][b, head, row, 5] += 1.0
@@ -393,8 +403,9 @@ def test_a_plain_session_over_a_prepared_model_replays_too(executor, rng, monkey
 
     monkeypatch.setattr(WebGPUExecutor, "replay", spy)
     model = sparse_attention_model(CONFIG.node_attributes(), random_inputs(CONFIG, rng), constants=LAYOUT)
-    session = ort.InferenceSession(sao.prepare_model(model, kv_check="fast").SerializeToString(), session_options(),
-                                   providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(
+        sao.prepare_model(model, kv_check="fast").SerializeToString(), session_options(), providers=["CPUExecutionProvider"]
+    )
     generation = Generation(session, rng, "shared")
     for _ in range(5):
         inputs = {k: v.astype(np.float64) if v.dtype.kind == "f" else v for k, v in generation.inputs.items()}
@@ -410,8 +421,9 @@ def test_a_replay_gives_way_where_the_gpu_cache_grows(executor, rng):
     falls beyond them grows it the general way, and the steps after it replay again. (64
     query heads: split-K's slice count is at its cap on every adapter, so the growth alone
     stops the replay.)"""
-    config = CaseConfig(batch=1, seq_len=254, num_heads=64, kv_num_heads=2, head_size=16, max_cache_len=272,
-                        sparse_block_size=16, num_layout=1, do_rotary=True)
+    config = CaseConfig(
+        batch=1, seq_len=254, num_heads=64, kv_num_heads=2, head_size=16, max_cache_len=272, sparse_block_size=16, num_layout=1, do_rotary=True
+    )
     generation = Generation(new_session(rng, "fast", config), rng, "shared", config=config, prompt_lengths=(254,))
     generation.step()
     replayed = []
@@ -647,8 +659,7 @@ def test_uploads_through_the_staging_buffer(executor, rng, monkeypatch, kv_check
     # Large uploads (a prefill, a long history) go through kept staging buffers filled with
     # parallel copies, and large transfers both ways move in chunks; force both on small
     # calls (whole, and in chunks of 1 KiB), over a restart and a reorder.
-    from sparse_attention_op.webgpu import host_threads
-    from sparse_attention_op.webgpu import buffers
+    from sparse_attention_op.webgpu import buffers, host_threads
 
     monkeypatch.setattr(buffers, "STAGING_BYTES", 0)
     monkeypatch.setattr(executor, "tuning", dataclasses.replace(executor.tuning, transfer_chunk_bytes=chunk_bytes))

@@ -52,8 +52,7 @@ def test_every_module_has_a_known_wing():
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_no_module_imports_a_wing_above_its_own(path):
     own = path.relative_to(PACKAGE).parts[0].removesuffix(".py")
-    upward = [f"line {line}: {module}" for line, module in package_imports(path)
-              if FLOORS.index(wing_of(module)) > FLOORS.index(own)]
+    upward = [f"line {line}: {module}" for line, module in package_imports(path) if FLOORS.index(wing_of(module)) > FLOORS.index(own)]
     assert not upward, f"{path.relative_to(PACKAGE)} ({own}) imports upward: {upward}"
 
 
@@ -61,5 +60,5 @@ def test_the_layering_rule_catches_an_upward_import(tmp_path):
     """The check itself can fail: a webgpu module that imports the CLI is caught."""
     module = tmp_path / "bad.py"
     module.write_text("def f():\n    from sparse_attention_op.cli.parser import main\n")
-    (line, imported), = package_imports(module)
+    ((line, imported),) = package_imports(module)
     assert FLOORS.index(wing_of(imported)) > FLOORS.index("webgpu")

@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 import wgpu
 
-from sparse_attention_op.webgpu import get_executor
-from sparse_attention_op.webgpu import mapping
+from sparse_attention_op.webgpu import get_executor, mapping
 from sparse_attention_op.webgpu.mapping import mapped
 
 pytestmark = pytest.mark.gpu
@@ -98,7 +97,9 @@ def test_an_upload_and_a_read_back_in_chunks_move_every_byte(monkeypatch, chunk_
         arrays = [rng.standard_normal(n).astype(np.float32) for n in (1, 700, 64, 0, 3001, 257)]
         upload = Upload()
         offsets = [upload.section(array) for array in arrays]
-        middle = device.create_buffer(size=upload.section_bytes, usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_DST | wgpu.BufferUsage.COPY_SRC)
+        middle = device.create_buffer(
+            size=upload.section_bytes, usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_DST | wgpu.BufferUsage.COPY_SRC
+        )
         commands = recording.begin(device, False)
         upload.encode(device, commands, pool, middle, chunk_bytes=chunk_bytes)
         results = [np.full_like(array, np.nan) for array in arrays]

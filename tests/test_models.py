@@ -40,8 +40,20 @@ def test_bundled_folder_is_a_genai_folder(name):
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_reference_matches_ort_cpu_on_uniform_rows(dtype, rng):
     """Where ORT's kernels are right (every row one length), they agree with the float64 reference."""
-    config = DecoderConfig(vocab_size=96, hidden=64, layers=2, num_heads=4, kv_num_heads=2, head_size=16, local_blocks=2,
-                           vert_stride=2, max_position=128, dense_every=2, dtype=dtype, seed=7)
+    config = DecoderConfig(
+        vocab_size=96,
+        hidden=64,
+        layers=2,
+        num_heads=4,
+        kv_num_heads=2,
+        head_size=16,
+        local_blocks=2,
+        vert_stride=2,
+        max_position=128,
+        dense_every=2,
+        dtype=dtype,
+        seed=7,
+    )
     model = build_decoder(config)
     ids = rng.integers(0, config.vocab_size, (2, 50))
     feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
@@ -69,18 +81,21 @@ def test_reference_matches_ort_cpu_on_uniform_rows(dtype, rng):
     assert float(np.abs(logits - expected).max()) <= tolerance * scale
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("num_heads", 6, "must be a multiple of kv_num_heads"),
-    ("head_size", 24, "multiple of 16"),
-    ("sparse_block_size", 12, "power of two"),
-    ("max_position", 100, "multiple of sparse_block_size"),
-    ("dtype", "bfloat16", "dtype must be one of"),
-    ("layers", 0, "layers must be a positive int"),
-    ("eos_token_id", 4096, "token id in [0, 512)"),
-    ("static_cache", 1024, "static_cache (1024) must not exceed max_position (512)"),
-    ("static_cache", -1, "static_cache must be a non-negative int"),
-    ("weights", "int8", "weights must be one of"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("num_heads", 6, "must be a multiple of kv_num_heads"),
+        ("head_size", 24, "multiple of 16"),
+        ("sparse_block_size", 12, "power of two"),
+        ("max_position", 100, "multiple of sparse_block_size"),
+        ("dtype", "bfloat16", "dtype must be one of"),
+        ("layers", 0, "layers must be a positive int"),
+        ("eos_token_id", 4096, "token id in [0, 512)"),
+        ("static_cache", 1024, "static_cache (1024) must not exceed max_position (512)"),
+        ("static_cache", -1, "static_cache must be a non-negative int"),
+        ("weights", "int8", "weights must be one of"),
+    ],
+)
 def test_config_errors_name_the_field(field, value, message):
     config = DecoderConfig(**{"kv_num_heads": 4, field: value}) if field == "num_heads" else DecoderConfig(**{field: value})
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
@@ -103,8 +118,20 @@ def test_late_fields_reach_the_props_only_when_set():
 def test_static_cache_model_runs_with_pasts_of_exactly_that_length(rng):
     """Every past and present declares static_cache rows; ORT's CPU provider runs a prompt and
     a decode step on pasts of exactly that length, past and present bound to one buffer."""
-    config = DecoderConfig(vocab_size=96, hidden=64, layers=2, num_heads=4, kv_num_heads=2, head_size=16, local_blocks=2,
-                           vert_stride=2, max_position=256, dense_every=2, seed=7, static_cache=256)
+    config = DecoderConfig(
+        vocab_size=96,
+        hidden=64,
+        layers=2,
+        num_heads=4,
+        kv_num_heads=2,
+        head_size=16,
+        local_blocks=2,
+        vert_stride=2,
+        max_position=256,
+        dense_every=2,
+        seed=7,
+        static_cache=256,
+    )
     model = build_decoder(config)
     caches = [*model.graph.input[2:], *model.graph.output[1:]]
     assert len(caches) == 4 * config.layers

@@ -5,9 +5,9 @@ import itertools
 
 import numpy as np
 import pytest
+from helpers import assert_matches_reference
 
 import sparse_attention_op as sao
-from helpers import assert_matches_reference
 from sparse_attention_op.testing.graphs import sparse_attention_model
 from sparse_attention_op.testing.inputs import CaseConfig, random_inputs
 
@@ -38,8 +38,19 @@ def test_prompt_then_decode_chain(executor, packed, rotary, dtype):
     index = CASES.index((packed, rotary, dtype))
     num_heads, kv_num_heads, num_layout = HEADS[index % len(HEADS)]
     rng = np.random.default_rng(index)
-    config = CaseConfig(batch=2, seq_len=9, prompt_lengths=(9, 6), num_heads=num_heads, kv_num_heads=kv_num_heads,
-                        num_layout=num_layout, head_size=64, max_cache_len=32, sparse_block_size=8, packed=packed, **ROTARY[rotary])
+    config = CaseConfig(
+        batch=2,
+        seq_len=9,
+        prompt_lengths=(9, 6),
+        num_heads=num_heads,
+        kv_num_heads=kv_num_heads,
+        num_layout=num_layout,
+        head_size=64,
+        max_cache_len=32,
+        sparse_block_size=8,
+        packed=packed,
+        **ROTARY[rotary],
+    )
     np_dtype = np.dtype(dtype)
     inputs = as_dtype(random_inputs(config, rng), np_dtype)
     model = sparse_attention_model(config.node_attributes(), inputs, float_dtype=np_dtype, constants=("block_row_indices", "block_col_indices"))

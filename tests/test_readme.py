@@ -66,10 +66,9 @@ def run_block(code: str, timeout: float = TIMEOUT_S) -> Outcome:
     env = dict(os.environ)
     env.setdefault("XDG_RUNTIME_DIR", "/tmp")  # lavapipe's WSI layer complains without it
     try:
-        done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=timeout)
+        done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as expired:
-        output = (expired.stderr or b"")
+        output = expired.stderr or b""
         output = output.decode(errors="replace") if isinstance(output, bytes) else output
         return Outcome(False, f"timed out after {timeout} s\n{output[-3000:]}")
     if done.returncode != 0:
@@ -85,11 +84,20 @@ def test_readme_has_its_python_examples():
     # ```Python3) would otherwise silently drop a block from this test.
     assert len(_README_BLOCKS) >= 4
     for block in fenced_blocks(README.read_text(encoding="utf-8")):
-        assert block.info == "python" or not block.info.startswith("py"), \
+        assert block.info == "python" or not block.info.startswith("py"), (
             f"README.md line {block.line}: fence ```{block.info} is not run by this test; write ```python"
+        )
     names = "".join(block.code for block in _README_BLOCKS)
-    for name in ("sao.create_session", "sao.prepare_model", "sao.session_options", "sao.bind_shared", "sao.generate",
-                 "sao.Sampling", "sao.prepare_genai_folder", "sao.load_genai_model"):
+    for name in (
+        "sao.create_session",
+        "sao.prepare_model",
+        "sao.session_options",
+        "sao.bind_shared",
+        "sao.generate",
+        "sao.Sampling",
+        "sao.prepare_genai_folder",
+        "sao.load_genai_model",
+    ):
         assert name in names, f"no README example runs {name}"
 
 
@@ -114,11 +122,7 @@ def test_readme_python_block_runs(block):
 
 
 def test_fenced_blocks_keep_only_python_and_their_lines():
-    text = ("intro\n"
-            "```python\nprint(1)\n```\n"
-            "```sh\nmake test\n```\n"
-            "````python\n```\nprint(2)\n````\n"
-            "~~~text\nprint(3)\n~~~\n")
+    text = "intro\n```python\nprint(1)\n```\n```sh\nmake test\n```\n````python\n```\nprint(2)\n````\n~~~text\nprint(3)\n~~~\n"
     blocks = python_blocks(text)
     assert [(b.line, b.code) for b in blocks] == [(2, "print(1)\n"), (8, "```\nprint(2)\n")]
     with pytest.raises(ValueError, match="line 1"):

@@ -3,13 +3,13 @@
 import numpy as np
 import pytest
 import wgpu
+from test_executor import decode_chain
 
 from sparse_attention_op.testing.inputs import CaseConfig
 from sparse_attention_op.webgpu import get_executor, recording
 from sparse_attention_op.webgpu.executor import Launch
 from sparse_attention_op.webgpu.mapping import mapped
 from sparse_attention_op.webgpu.recording import NativeRecording, WgpuPyRecording
-from test_executor import decode_chain
 
 pytestmark = pytest.mark.gpu
 
@@ -76,12 +76,15 @@ def test_calls_give_the_same_results_through_wgpu_py(monkeypatch, executor, rng)
 def test_profiled_calls_time_every_dispatch_and_keep_their_results(executor, rng):
     """profile=True records through wgpu-py with one timed pass per dispatch."""
     from helpers import assert_matches_reference, run_executor
+
     from sparse_attention_op.testing.inputs import random_inputs
 
     if "timestamp-query" not in executor.context.features:
         pytest.skip("the adapter has no timestamp queries")
-    for config in (CaseConfig(seq_len=40, max_cache_len=64, sparse_block_size=8),  # a prompt: several passes
-                   CaseConfig(seq_len=1, past_lengths=(40,), max_cache_len=64, sparse_block_size=8)):  # decode
+    for config in (
+        CaseConfig(seq_len=40, max_cache_len=64, sparse_block_size=8),  # a prompt: several passes
+        CaseConfig(seq_len=1, past_lengths=(40,), max_cache_len=64, sparse_block_size=8),
+    ):  # decode
         inputs = random_inputs(config, rng)
         outputs = run_executor(executor, inputs, config.node_attributes(), "profiled", profile="dispatches")
         assert_matches_reference(outputs, inputs, config.node_attributes(), what=str(config))
@@ -113,10 +116,11 @@ def test_an_abandoned_recording_reports_its_own_fault_and_frees_its_temporaries(
     freed = []
     monkeypatch.setattr(executor._scratch, "release_temporaries", lambda: freed.append(True))
     monkeypatch.setattr(recording.NativeRecording, "compute_pass", lambda self, launches: (_ for _ in ()).throw(KeyError("host fault")))
-    config = CaseConfig(batch=1, seq_len=1, num_heads=2, kv_num_heads=1, head_size=16, max_cache_len=32, sparse_block_size=8,
-                        num_layout=1, past_lengths=(4,))
-    from sparse_attention_op.testing.inputs import random_inputs
+    config = CaseConfig(
+        batch=1, seq_len=1, num_heads=2, kv_num_heads=1, head_size=16, max_cache_len=32, sparse_block_size=8, num_layout=1, past_lengths=(4,)
+    )
     from sparse_attention_op.op.spec import OpAttributes, build_call
+    from sparse_attention_op.testing.inputs import random_inputs
 
     call = build_call(random_inputs(config, np.random.default_rng(0)), OpAttributes.from_mapping(config.node_attributes()))
     with pytest.raises(KeyError):

@@ -2,11 +2,11 @@
 
 import numpy as np
 import pytest
-
 from helpers import assert_close, run_ort_cpu
+
+from sparse_attention_op.op.reference import apply_rotary, block_mask, sparse_attention_reference
 from sparse_attention_op.testing.graphs import sparse_attention_model
 from sparse_attention_op.testing.inputs import CaseConfig, random_inputs
-from sparse_attention_op.op.reference import apply_rotary, block_mask, sparse_attention_reference
 
 
 def test_dense_count_layout_is_causal_whatever_its_columns():
@@ -35,8 +35,18 @@ def test_query_that_sees_nothing_averages_v_over_its_causal_history():
     v = rng.standard_normal((1, s, h), dtype=np.float32)
     cache = np.zeros((1, 1, 6, h), np.float32)
     out, _, _ = sparse_attention_reference(
-        q, k, v, cache, cache, rows, cols, np.array([s], np.int32), np.array([s], np.int32),
-        num_heads=1, kv_num_heads=1, sparse_block_size=2,
+        q,
+        k,
+        v,
+        cache,
+        cache,
+        rows,
+        cols,
+        np.array([s], np.int32),
+        np.array([s], np.int32),
+        num_heads=1,
+        kv_num_heads=1,
+        sparse_block_size=2,
     )
     assert_close(out[0, 2], v[0, :3].mean(axis=0), "query 2")
     assert_close(out[0, 3], v[0, :4].mean(axis=0), "query 3")

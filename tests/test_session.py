@@ -7,16 +7,16 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from helpers import assert_close, assert_matches_reference, graph_feeds, node_kernels, run_in_threads, run_ort_cpu
 from onnxruntime_extensions import get_library_path
 
 import sparse_attention_op as sao
-from helpers import assert_close, assert_matches_reference, graph_feeds, node_kernels, run_in_threads, run_ort_cpu
-from sparse_attention_op.ort.bridge import BRIDGE_DOMAIN, BRIDGE_FORMAT, NODE_KEY_ATTRIBUTE, OP_TYPES, SETTINGS_ATTRIBUTE
-from sparse_attention_op.settings import SessionSettings
 from sparse_attention_op.cli.demo import build_demo_model, reference_step
+from sparse_attention_op.ort.bridge import BRIDGE_DOMAIN, BRIDGE_FORMAT, NODE_KEY_ATTRIBUTE, OP_TYPES, SETTINGS_ATTRIBUTE
+from sparse_attention_op.ort.model import node_attributes
+from sparse_attention_op.settings import SessionSettings
 from sparse_attention_op.testing.graphs import sparse_attention_model
 from sparse_attention_op.testing.inputs import CaseConfig, random_inputs
-from sparse_attention_op.ort.model import node_attributes
 from sparse_attention_op.webgpu import get_executor
 
 LAYOUT = ("block_row_indices", "block_col_indices")
@@ -68,9 +68,14 @@ def test_a_prepared_model_is_refused(rng):
     with pytest.raises(sao.SparseAttentionError, match=f"bridge format 1; this version runs format {BRIDGE_FORMAT}: prepare the original model"):
         sao.create_session(prepared)
     # Format 2: PyOps of the package's own domain around native nodes.
-    older = onnx.helper.make_model(onnx.helper.make_graph(
-        [onnx.helper.make_node("SparseAttentionPlan", ["x"], ["y"], domain="ai.sparse_attention_op")], "g",
-        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.INT64, [1])], [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.INT64, [1])]))
+    older = onnx.helper.make_model(
+        onnx.helper.make_graph(
+            [onnx.helper.make_node("SparseAttentionPlan", ["x"], ["y"], domain="ai.sparse_attention_op")],
+            "g",
+            [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.INT64, [1])],
+            [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.INT64, [1])],
+        )
+    )
     older.metadata_props.add(key="sparse_attention_op.bridge_format", value="2")
     with pytest.raises(sao.SparseAttentionError, match=f"bridge format 2; this version runs format {BRIDGE_FORMAT}"):
         sao.prepare_model(older)
@@ -401,10 +406,14 @@ def test_other_pyops_keep_working_beside_the_bridge_op(executor, rng):
     sao.register()
     node = onnx.helper.make_node("SaoTestNegate", ["x"], ["y"], domain="ai.onnx.contrib")
     graph = onnx.helper.make_graph(
-        [node], "g", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [3])],
+        [node],
+        "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [3])],
         [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [3])],
     )
-    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17), onnx.helper.make_opsetid("ai.onnx.contrib", 1)], ir_version=10)
+    model = onnx.helper.make_model(
+        graph, opset_imports=[onnx.helper.make_opsetid("", 17), onnx.helper.make_opsetid("ai.onnx.contrib", 1)], ir_version=10
+    )
     options = ort.SessionOptions()
     options.register_custom_ops_library(get_library_path())
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])

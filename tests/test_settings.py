@@ -21,11 +21,14 @@ def test_settings_compare_by_value():
     assert SessionSettings(kv_check="fast") != SessionSettings(kv_check="exact")
 
 
-@pytest.mark.parametrize(("keywords", "message"), [
-    (dict(kv_check="quick"), "kv_check must be one of ('exact', 'fast'), got 'quick'"),
-    (dict(profile="sometimes"), "profile must be one of ('off', 'dispatches', 'pass'), got 'sometimes'"),
-    (dict(f16_cache="yes"), "f16_cache must be True or False, got 'yes'"),
-])
+@pytest.mark.parametrize(
+    ("keywords", "message"),
+    [
+        (dict(kv_check="quick"), "kv_check must be one of ('exact', 'fast'), got 'quick'"),
+        (dict(profile="sometimes"), "profile must be one of ('off', 'dispatches', 'pass'), got 'sometimes'"),
+        (dict(f16_cache="yes"), "f16_cache must be True or False, got 'yes'"),
+    ],
+)
 def test_a_bad_setting_names_itself(keywords, message):
     with pytest.raises(SettingsError, match=message.replace("(", r"\(").replace(")", r"\)")):
         SessionSettings(**keywords)
@@ -66,6 +69,9 @@ def test_no_other_module_reads_the_environment():
     from pathlib import Path
 
     package = Path(settings.__file__).parent
-    readers = [str(p.relative_to(package)) for p in package.rglob("*.py")
-               if p.name != "settings.py" and ("os.environ" in p.read_text() or "getenv" in p.read_text())]
+    readers = [
+        str(p.relative_to(package))
+        for p in package.rglob("*.py")
+        if p.name != "settings.py" and ("os.environ" in p.read_text() or "getenv" in p.read_text())
+    ]
     assert readers == []

@@ -5,18 +5,28 @@ import dataclasses
 
 import numpy as np
 import pytest
+from helpers import assert_matches_reference, graph_feeds
 
 import sparse_attention_op as sao
-from helpers import assert_matches_reference, graph_feeds
 from sparse_attention_op.op import spec
+from sparse_attention_op.op.spec import OpAttributes, SparseAttentionInputError, build_call
 from sparse_attention_op.testing.graphs import sparse_attention_model
 from sparse_attention_op.testing.inputs import CaseConfig, random_inputs
-from sparse_attention_op.op.spec import OpAttributes, SparseAttentionInputError, build_call
 from sparse_attention_op.webgpu import WebGPUExecutor
 
 # Decode-with-history batch of two, rotary on: every input is present and a graph input.
-GOOD = CaseConfig(batch=2, seq_len=2, past_lengths=(5, 9), num_heads=4, kv_num_heads=2, head_size=32,
-                  max_cache_len=32, sparse_block_size=8, num_layout=2, do_rotary=True)
+GOOD = CaseConfig(
+    batch=2,
+    seq_len=2,
+    past_lengths=(5, 9),
+    num_heads=4,
+    kv_num_heads=2,
+    head_size=32,
+    max_cache_len=32,
+    sparse_block_size=8,
+    num_layout=2,
+    do_rotary=True,
+)
 PACKED = dataclasses.replace(GOOD, packed=True)
 
 
@@ -39,9 +49,14 @@ def _cols(f, layout, index, value):
 def _head_24(f):
     """Consistent inputs with head_size 24: legal without rotary, not with it."""
     b, s, h = 2, 2, 24
-    return {**f, "query": np.ones((b, s, 4 * h), np.float32), "key": np.ones((b, s, 2 * h), np.float32),
-            "value": np.ones((b, s, 2 * h), np.float32), "past_key": np.ones((b, 2, 32, h), np.float32),
-            "past_value": np.ones((b, 2, 32, h), np.float32)}
+    return {
+        **f,
+        "query": np.ones((b, s, 4 * h), np.float32),
+        "key": np.ones((b, s, 2 * h), np.float32),
+        "value": np.ones((b, s, 2 * h), np.float32),
+        "past_key": np.ones((b, 2, 32, h), np.float32),
+        "past_value": np.ones((b, 2, 32, h), np.float32),
+    }
 
 
 CALL_RULES = {
@@ -55,10 +70,20 @@ CALL_RULES = {
     "past-heads": (_with(past_key=lambda f: f["past_key"][:, :1]), "past_key", "must have shape"),
     "past-value-shape": (_with(past_value=lambda f: f["past_value"][:, :, :16]), "past_value", "past_key's shape"),
     "rows-shape": (_with(block_row_indices=lambda f: f["block_row_indices"][:, :1]), "block_row_indices", "max_blocks >= 1"),
-    "layouts-divide-heads": (_with(block_row_indices=lambda f: np.repeat(f["block_row_indices"][:1], 3, 0),
-                                   block_col_indices=lambda f: np.repeat(f["block_col_indices"][:1], 3, 0)), "block_row_indices", "divide num_heads"),
+    "layouts-divide-heads": (
+        _with(
+            block_row_indices=lambda f: np.repeat(f["block_row_indices"][:1], 3, 0),
+            block_col_indices=lambda f: np.repeat(f["block_col_indices"][:1], 3, 0),
+        ),
+        "block_row_indices",
+        "divide num_heads",
+    ),
     "cols-layouts": (_with(block_col_indices=lambda f: f["block_col_indices"][:1]), "block_col_indices", "num_layout"),
-    "max-nnz": (_with(block_col_indices=lambda f: np.pad(f["block_col_indices"], ((0, 0), (0, 17)), constant_values=-1)), "block_col_indices", "max_blocks^2"),
+    "max-nnz": (
+        _with(block_col_indices=lambda f: np.pad(f["block_col_indices"], ((0, 0), (0, 17)), constant_values=-1)),
+        "block_col_indices",
+        "max_blocks^2",
+    ),
     "offsets-start": (_with(block_row_indices=lambda f: _rows(f, 0, 0, 1)), "block_row_indices", "start at offset 0"),
     "offsets-decrease": (_with(block_row_indices=lambda f: _rows(f, 1, 2, 0)), "block_row_indices", "never decrease"),
     "offsets-beyond": (_with(block_row_indices=lambda f: _rows(f, 0, -1, f["block_col_indices"].shape[1] + 1)), "block_row_indices", "beyond"),
@@ -67,20 +92,37 @@ CALL_RULES = {
     "total-scalar": (_with(total_sequence_length=np.array([11, 11], np.int32)), "total_sequence_length", "scalar"),
     "total-below-seq": (_with(total_sequence_length=np.array([1], np.int32)), "total_sequence_length", ">= the query's sequence length"),
     "total-above-cache": (_with(total_sequence_length=np.array([40], np.int32)), "total_sequence_length", "max_cache_len"),
-    "layout-covers-total": (_with(block_row_indices=np.array([[0, 1], [0, 1]], np.int32), block_col_indices=np.array([[0], [0]], np.int32)),
-                            "block_row_indices", "cover total_sequence_length"),
+    "layout-covers-total": (
+        _with(block_row_indices=np.array([[0, 1], [0, 1]], np.int32), block_col_indices=np.array([[0], [0]], np.int32)),
+        "block_row_indices",
+        "cover total_sequence_length",
+    ),
     "key-totals-shape": (_with(key_total_sequence_lengths=lambda f: f["key_total_sequence_lengths"][:1]), "key_total_sequence_lengths", "shape"),
     "key-totals-below-seq": (_with(key_total_sequence_lengths=np.array([1, 11], np.int32)), "key_total_sequence_lengths", "[2, 11]"),
     "key-totals-above-total": (_with(key_total_sequence_lengths=np.array([12, 11], np.int32)), "key_total_sequence_lengths", "[2, 11]"),
-    "prompt-key-totals-zero": (_with(total_sequence_length=np.array([2], np.int32), key_total_sequence_lengths=np.array([0, 2], np.int32)),
-                               "key_total_sequence_lengths", "[1, 2] for a prompt"),
+    "prompt-key-totals-zero": (
+        _with(total_sequence_length=np.array([2], np.int32), key_total_sequence_lengths=np.array([0, 2], np.int32)),
+        "key_total_sequence_lengths",
+        "[1, 2] for a prompt",
+    ),
     "rotary-head-16": (_head_24, "query", "multiple of 16 when do_rotary"),
     "cos-rank": (_with(cos_cache=lambda f: f["cos_cache"][0]), "cos_cache", "rank 2"),
     "sin-shape": (_with(sin_cache=lambda f: f["sin_cache"][:, :8]), "sin_cache", "cos_cache's shape"),
-    "cos-dim-multiple-of-8": (_with(cos_cache=lambda f: f["cos_cache"][:, :12], sin_cache=lambda f: f["sin_cache"][:, :12]), "cos_cache", "multiple of 8"),
-    "cos-dim-above-half-head": (_with(cos_cache=lambda f: np.ones((32, 24), np.float32), sin_cache=lambda f: np.ones((32, 24), np.float32)),
-                                "cos_cache", "head_size / 2"),
-    "cos-positions": (_with(cos_cache=lambda f: f["cos_cache"][:10], sin_cache=lambda f: f["sin_cache"][:10]), "cos_cache", "at least total_sequence_length"),
+    "cos-dim-multiple-of-8": (
+        _with(cos_cache=lambda f: f["cos_cache"][:, :12], sin_cache=lambda f: f["sin_cache"][:, :12]),
+        "cos_cache",
+        "multiple of 8",
+    ),
+    "cos-dim-above-half-head": (
+        _with(cos_cache=lambda f: np.ones((32, 24), np.float32), sin_cache=lambda f: np.ones((32, 24), np.float32)),
+        "cos_cache",
+        "head_size / 2",
+    ),
+    "cos-positions": (
+        _with(cos_cache=lambda f: f["cos_cache"][:10], sin_cache=lambda f: f["sin_cache"][:10]),
+        "cos_cache",
+        "at least total_sequence_length",
+    ),
 }
 
 
@@ -114,7 +156,9 @@ def test_packed_hidden_rule(executor):
     assert_matches_reference(session.run(None, feeds), inputs, PACKED.node_attributes())
 
 
-@pytest.mark.parametrize("name,dtype", [("query", np.float64), ("past_value", np.float16), ("block_row_indices", np.int64), ("key_total_sequence_lengths", np.uint32)])
+@pytest.mark.parametrize(
+    "name,dtype", [("query", np.float64), ("past_value", np.float16), ("block_row_indices", np.int64), ("key_total_sequence_lengths", np.uint32)]
+)
 def test_dtype_rules(name, dtype):
     inputs = random_inputs(GOOD, np.random.default_rng(9))
     inputs[name] = inputs[name].astype(dtype)
@@ -186,5 +230,16 @@ def test_a_fast_check_without_history_is_refused():
     carry that past (the executor could otherwise compare nothing and trust its cache)."""
     call = build_call(random_inputs(GOOD, np.random.default_rng(3)), OpAttributes.from_mapping(GOOD.node_attributes()), with_history=False)
     with pytest.raises(SparseAttentionInputError, match="the fast check needs the history rows"):
-        spec.assemble_call(call.shape, call.query, call.key, call.value, call.history_key, call.history_value, call.cos_rows,
-                           call.sin_rows, call.block_row_indices, call.block_col_indices, fast_check=True)
+        spec.assemble_call(
+            call.shape,
+            call.query,
+            call.key,
+            call.value,
+            call.history_key,
+            call.history_value,
+            call.cos_rows,
+            call.sin_rows,
+            call.block_row_indices,
+            call.block_col_indices,
+            fast_check=True,
+        )

@@ -51,8 +51,11 @@ def sm_clock(library_name: str = _LIBRARY) -> SmClock:
     """A reader of device 0's SM clock, or one that answers None without NVML."""
     try:
         library = ctypes.CDLL(library_name)
-        for name, argtypes in (("nvmlInit_v2", []), ("nvmlDeviceGetHandleByIndex_v2", [ctypes.c_uint, ctypes.POINTER(ctypes.c_void_p)]),
-                               ("nvmlDeviceGetClockInfo", [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_uint)])):
+        for name, argtypes in (
+            ("nvmlInit_v2", []),
+            ("nvmlDeviceGetHandleByIndex_v2", [ctypes.c_uint, ctypes.POINTER(ctypes.c_void_p)]),
+            ("nvmlDeviceGetClockInfo", [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_uint)]),
+        ):
             function = getattr(library, name)
             function.argtypes, function.restype = argtypes, ctypes.c_int
     except (OSError, AttributeError):

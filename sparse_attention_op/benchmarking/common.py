@@ -9,8 +9,8 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from sparse_attention_op.testing.graphs import finish_model
 from sparse_attention_op.op.reference import apply_rotary, attend, block_mask
+from sparse_attention_op.testing.graphs import finish_model
 
 #: docs/design.md section 7: 32 query heads over 8 kv heads, head size 128, 64-token blocks,
 #: 16 local blocks and vertical stride 8 over 32 layouts, rotary.

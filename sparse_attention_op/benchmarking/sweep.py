@@ -61,17 +61,17 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import onnxruntime as ort
 import wgpu
-from sparse_attention_op.benchmarking.common import PHI3_SMALL, median_seconds, spot_check
 
-from sparse_attention_op.ort.io_binding import bind_shared
-from sparse_attention_op.ort.providers import EPS, add_ep
-from sparse_attention_op.testing.graphs import sparse_attention_model
-from sparse_attention_op.testing.inputs import CaseConfig, random_inputs
+from sparse_attention_op.benchmarking.common import PHI3_SMALL, median_seconds, spot_check
 from sparse_attention_op.op.layouts import causal_mask, mask_to_csr, phi3_small_mask
 from sparse_attention_op.op.reference import block_mask
 from sparse_attention_op.op.spec import OpAttributes, SparseAttentionError, build_call
-from sparse_attention_op.webgpu import get_executor
+from sparse_attention_op.ort.io_binding import bind_shared
+from sparse_attention_op.ort.providers import EPS, add_ep
 from sparse_attention_op.settings import SessionSettings
+from sparse_attention_op.testing.graphs import sparse_attention_model
+from sparse_attention_op.testing.inputs import CaseConfig, random_inputs
+from sparse_attention_op.webgpu import get_executor
 
 EXTRA = "pip install 'sparse-attention-op[bench]'"
 TOLERANCE = {"f32": 2e-3, "f16": 1e-2}
@@ -113,7 +113,7 @@ class Layout:
         return mask_to_csr(phi3_small_mask(max_blocks, num_layout, local, stride))
 
     @staticmethod
-    def parse(text: str) -> "Layout":
+    def parse(text: str) -> Layout:
         layout = Layout(text)
         if not layout.dense:
             try:
@@ -144,8 +144,9 @@ class Case:
 
     def config(self) -> CaseConfig:
         prefill = self.kind == "prefill"
-        return CaseConfig(seq_len=self.length if prefill else 1, max_cache_len=self.capacity,
-                          past_lengths=None if prefill else (self.length,), **PHI3_SMALL)
+        return CaseConfig(
+            seq_len=self.length if prefill else 1, max_cache_len=self.capacity, past_lengths=None if prefill else (self.length,), **PHI3_SMALL
+        )
 
     def inputs(self) -> dict:
         """The call's eleven inputs: unit-scale random data (seeded by the shape), the case's layout."""
@@ -195,8 +196,19 @@ class Row:
     def cells(self) -> list[str]:
         achieved = "" if self.achieved is None else f" ({100 * self.achieved:.2g}%)"
         case = f"prefill {self.length}" if self.kind == "prefill" else f"decode at {self.length}"
-        return [case, Layout(self.layout).label, f"{self.density:.3f}", self.cache, ms_cell(self.gpu_ms), ms_cell(self.one_pass_ms), ms_cell(self.call_ms),
-                ms_cell(self.roofline_ms) + achieved, ms_cell(self.torch_ms), ms_cell(self.ort_ms), f"{self.max_error:.1e}"]
+        return [
+            case,
+            Layout(self.layout).label,
+            f"{self.density:.3f}",
+            self.cache,
+            ms_cell(self.gpu_ms),
+            ms_cell(self.one_pass_ms),
+            ms_cell(self.call_ms),
+            ms_cell(self.roofline_ms) + achieved,
+            ms_cell(self.torch_ms),
+            ms_cell(self.ort_ms),
+            f"{self.max_error:.1e}",
+        ]
 
 
 def ms_cell(value: float | None) -> str:
@@ -208,11 +220,26 @@ def ms_cell(value: float | None) -> str:
     return f"{value:.{max(2, 2 - math.floor(math.log10(value)))}f}"
 
 
-COLUMNS = ("Columns: density = selected causal (query, key) pairs / all causal pairs; GPU ms = the call's dispatches, one timed pass each "
-           "(GPU timestamps); one pass ms = the same as one timed pass; call ms = one executor.run, uploads and read-back included; roofline = selected flops at the fp32 "
-           "rate (prefill) or selected K/V bytes at the bandwidth (decode), achieved = roofline / GPU ms; torch SDPA = dense "
-           "fp32 (CUDA events); ORT CPU = onnxruntime's own kernel (wall); max err = sampled rows against float64.")
-HEADER = ["case", "layout", "density", "cache", "GPU ms", "one pass ms", "call ms", "roofline ms (achieved)", "torch SDPA ms", "ORT CPU ms", "max err"]
+COLUMNS = (
+    "Columns: density = selected causal (query, key) pairs / all causal pairs; GPU ms = the call's dispatches, one timed pass each "
+    "(GPU timestamps); one pass ms = the same as one timed pass; call ms = one executor.run, uploads and read-back included; "
+    "roofline = selected flops at the fp32 "
+    "rate (prefill) or selected K/V bytes at the bandwidth (decode), achieved = roofline / GPU ms; torch SDPA = dense "
+    "fp32 (CUDA events); ORT CPU = onnxruntime's own kernel (wall); max err = sampled rows against float64."
+)
+HEADER = [
+    "case",
+    "layout",
+    "density",
+    "cache",
+    "GPU ms",
+    "one pass ms",
+    "call ms",
+    "roofline ms (achieved)",
+    "torch SDPA ms",
+    "ORT CPU ms",
+    "max err",
+]
 
 
 def sweep_cases(args) -> list[Case]:
@@ -321,8 +348,10 @@ def torch_sdpa_seconds(case: Case, reps: int) -> tuple[float, str] | tuple[None,
     q = torch.randn(1, config.num_heads, queries, config.head_size, device="cuda")
     k, v = (torch.randn(1, config.kv_num_heads, keys, config.head_size, device="cuda") for _ in range(2))
     group = config.num_heads // config.kv_num_heads
-    variants = {"expanded kv heads": (k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), {}),
-                "enable_gqa": (k, v, {"enable_gqa": True})}
+    variants = {
+        "expanded kv heads": (k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), {}),
+        "enable_gqa": (k, v, {"enable_gqa": True}),
+    }
     causal = case.kind == "prefill"  # a decode query sees every key; is_causal would align it to key 0
     sdpa = torch.nn.functional.scaled_dot_product_attention
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -378,12 +407,27 @@ def measure(case: Case, args, baselines: dict) -> Row:
     def ms(seconds):
         return None if seconds is None else seconds * 1e3
 
-    return Row(kind=case.kind, length=case.length, capacity=case.capacity, layout=case.layout.name, cache=case.cache, density=density,
-               gpu_ms=ms(statistics.median(gpu)) if gpu else None,
-               one_pass_ms=ms(statistics.median(passes)) if passes else None, call_ms=ms(statistics.median(s.seconds for s in stats)),
-               roofline_ms=ms(roofline_s), roofline_work=amount, torch_ms=ms(torch_s), torch_variant=torch_variant, ort_ms=ms(ort_s), max_error=error,
-               tolerance=TOLERANCE[case.cache], gpu_samples_ms=[ms(g) for g in gpu], call_samples_ms=[ms(s.seconds) for s in stats],
-               gpu_dispatch_ms={label: ms(statistics.median(s.gpu_seconds[label] for s in stats)) for label in labels})
+    return Row(
+        kind=case.kind,
+        length=case.length,
+        capacity=case.capacity,
+        layout=case.layout.name,
+        cache=case.cache,
+        density=density,
+        gpu_ms=ms(statistics.median(gpu)) if gpu else None,
+        one_pass_ms=ms(statistics.median(passes)) if passes else None,
+        call_ms=ms(statistics.median(s.seconds for s in stats)),
+        roofline_ms=ms(roofline_s),
+        roofline_work=amount,
+        torch_ms=ms(torch_s),
+        torch_variant=torch_variant,
+        ort_ms=ms(ort_s),
+        max_error=error,
+        tolerance=TOLERANCE[case.cache],
+        gpu_samples_ms=[ms(g) for g in gpu],
+        call_samples_ms=[ms(s.seconds) for s in stats],
+        gpu_dispatch_ms={label: ms(statistics.median(s.gpu_seconds[label] for s in stats)) for label in labels},
+    )
 
 
 # -- output ---------------------------------------------------------------------------
@@ -391,8 +435,9 @@ def measure(case: Case, args, baselines: dict) -> Row:
 
 def machine_line() -> str:
     executor = get_executor()
-    line = (f"{platform.node()} ({os.cpu_count()} CPUs), adapter {executor.context.description}, "
-            f"onnxruntime {ort.__version__}, wgpu {wgpu.__version__}")
+    line = (
+        f"{platform.node()} ({os.cpu_count()} CPUs), adapter {executor.context.description}, onnxruntime {ort.__version__}, wgpu {wgpu.__version__}"
+    )
     torch = import_torch_cuda()
     if torch is not None:
         line += f", torch {torch.__version__} on {torch.cuda.get_device_name()}"
@@ -411,8 +456,14 @@ class Progress:
             self.tqdm, self.bar = None, None
         else:
             self.tqdm = tqdm
-            self.bar = tqdm(cases, unit="case", file=sys.stderr, dynamic_ncols=True, disable=None,  # None: no bar off a terminal
-                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]{postfix}")
+            self.bar = tqdm(
+                cases,
+                unit="case",
+                file=sys.stderr,
+                dynamic_ncols=True,
+                disable=None,  # None: no bar off a terminal
+                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]{postfix}",
+            )
 
     def __iter__(self):
         return iter(self.cases if self.bar is None else self.bar)
@@ -500,8 +551,10 @@ def plot(rows: list[Row], path: str, command: str, machine: str) -> None:
         ax.set_ylabel("ms per call (log)")
         ax.set_title("prefill: one prompt" if kind == "prefill" else "decode: one token")
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, frameon=False)
-    fig.suptitle("SparseAttention at the Phi-3-small shape: WebGPU GPU time (timestamps), torch (CUDA events), ORT CPU (wall)\n"
-                 f"{machine}\n{command}", fontsize=8)
+    fig.suptitle(
+        f"SparseAttention at the Phi-3-small shape: WebGPU GPU time (timestamps), torch (CUDA events), ORT CPU (wall)\n{machine}\n{command}",
+        fontsize=8,
+    )
     fig.savefig(path, dpi=130, bbox_inches="tight")
     plt.close(fig)
 
@@ -525,19 +578,40 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--prefill", type=int, nargs="*", default=None, help="prompt lengths (default 1024 2048 4096 8192)")
     parser.add_argument("--decode", type=int, nargs="*", default=None, help="history rows before one decode step (default 1023 4095 8191)")
     parser.add_argument("--capacity", type=int, default=None, help="cache rows (max_cache_len) of the decode cases (default 8192)")
-    parser.add_argument("--layouts", type=Layout.parse, nargs="+", default=None,
-                        help="block layouts: LOCAL/STRIDE (Phi-3-small is 16/8) or 'dense' (default 4/16 16/8 dense)")
-    parser.add_argument("--cache", choices=["f32", "f16", "both"], default="f32",
-                        help="f16: a float16-storage call (inputs are float16 values), its GPU cache f16 where the adapter has shader-f16")
+    parser.add_argument(
+        "--layouts",
+        type=Layout.parse,
+        nargs="+",
+        default=None,
+        help="block layouts: LOCAL/STRIDE (Phi-3-small is 16/8) or 'dense' (default 4/16 16/8 dense)",
+    )
+    parser.add_argument(
+        "--cache",
+        choices=["f32", "f16", "both"],
+        default="f32",
+        help="f16: a float16-storage call (inputs are float16 values), its GPU cache f16 where the adapter has shader-f16",
+    )
     parser.add_argument("--reps", type=int, default=None, help="timed calls per case, after warm-up (default 5; --quick 1)")
     parser.add_argument("--torch", action="store_true", help="also time torch dense causal SDPA fp32 (needs CUDA)")
     parser.add_argument("--ort", action="store_true", help="also time ONNX Runtime's CPU kernel")
-    parser.add_argument("--ep", choices=EPS, default="cpu",
-                        help="the EP of --ort's session (default %(default)s; webgpu: ORT's WebGPU plugin EP, which leaves SparseAttention on its CPU EP)")
-    parser.add_argument("--ort-max-len", type=int, default=4096, help="longest prompt ORT's CPU kernel runs (default %(default)s; decode steps always run)")
-    parser.add_argument("--fp32-tflops", type=float, default=18.4,
-                        help="prefill roofline rate in TFLOP/s (default %(default)s: the H200's measured tiled-GEMM fp32 rate through WebGPU; its fp32 peak is ~67)")
-    parser.add_argument("--bandwidth-gbs", type=float, default=3370, help="decode roofline rate in GB/s (default %(default)s: the H200's memory bandwidth)")
+    parser.add_argument(
+        "--ep",
+        choices=EPS,
+        default="cpu",
+        help="the EP of --ort's session (default %(default)s; webgpu: ORT's WebGPU plugin EP, which leaves SparseAttention on its CPU EP)",
+    )
+    parser.add_argument(
+        "--ort-max-len", type=int, default=4096, help="longest prompt ORT's CPU kernel runs (default %(default)s; decode steps always run)"
+    )
+    parser.add_argument(
+        "--fp32-tflops",
+        type=float,
+        default=18.4,
+        help="prefill roofline rate in TFLOP/s (default %(default)s: the H200's measured tiled-GEMM fp32 rate through WebGPU; its fp32 peak is ~67)",
+    )
+    parser.add_argument(
+        "--bandwidth-gbs", type=float, default=3370, help="decode roofline rate in GB/s (default %(default)s: the H200's memory bandwidth)"
+    )
     parser.add_argument("--json", type=str, default=None, metavar="OUT", help="write every measurement, the command and the machine")
     parser.add_argument("--plot", type=str, default=None, metavar="OUT.png", help="time against context length, log-log (needs matplotlib)")
     return parser
@@ -585,8 +659,10 @@ def main(argv=None) -> int:
 def run(args: argparse.Namespace, command: str) -> int:
     """The sweep of resolved ``args``: a markdown table on stdout, then --json and --plot."""
     machine = machine_line()
-    settings = (f"median of {args.reps} timed call(s) per case after warm-up; roofline: prefill at {args.fp32_tflops:g} TFLOP/s fp32 "
-                f"(4 * head_size flops per selected pair), decode at {args.bandwidth_gbs:g} GB/s (selected K/V bytes)")
+    settings = (
+        f"median of {args.reps} timed call(s) per case after warm-up; roofline: prefill at {args.fp32_tflops:g} TFLOP/s fp32 "
+        f"(4 * head_size flops per selected pair), decode at {args.bandwidth_gbs:g} GB/s (selected K/V bytes)"
+    )
     print(f"Command: `{command}`\n\nMachine: {machine}\n\nSettings: {settings}\n\n{COLUMNS}\n")
     print("| " + " | ".join(HEADER) + " |\n|" + "---|" * len(HEADER), flush=True)
     rows, baselines, skipped = [], {}, []
@@ -605,8 +681,12 @@ def run(args: argparse.Namespace, command: str) -> int:
     elapsed = time.perf_counter() - start
     progress.close()
     failures = [r for r in rows if r.failed]
-    print(f"\n{len(rows)} cases in {elapsed:.0f} s" + (f", {len(skipped)} skipped" if skipped else "") +
-          (f"; {len(failures)} FAILED the spot check" if failures else "; every spot check passed"), flush=True)
+    print(
+        f"\n{len(rows)} cases in {elapsed:.0f} s"
+        + (f", {len(skipped)} skipped" if skipped else "")
+        + (f"; {len(failures)} FAILED the spot check" if failures else "; every spot check passed"),
+        flush=True,
+    )
     if args.json:
         write_json(args, rows, skipped, command=command, machine=machine, settings=settings)
     if args.plot:

@@ -25,7 +25,6 @@ COMPARE_TOLERANCE = {"float32": 1e-3, "float16": 2e-2}
 
 def info(args: argparse.Namespace) -> int:
     from sparse_attention_op.cli.system_info import adapter_summaries, chosen_adapter, versions
-
     from sparse_attention_op.ort.providers import plugin_report
 
     report = {"versions": versions(), "adapters": adapter_summaries(), "webgpu_plugin_ep": plugin_report()}
@@ -41,7 +40,11 @@ def info(args: argparse.Namespace) -> int:
 
         print(f"  none: {no_adapter_reason()}")
         return 1
-    print(format_table(["#", "adapter", "vendor", "driver"], [[i, a["description"], a["vendor"], a["driver"]] for i, a in enumerate(report["adapters"])], "  "))
+    print(
+        format_table(
+            ["#", "adapter", "vendor", "driver"], [[i, a["description"], a["vendor"], a["driver"]] for i, a in enumerate(report["adapters"])], "  "
+        )
+    )
     chosen = report["chosen"]
     print(f"\nchosen: {chosen['description']}")
     print("features: " + ", ".join(f"{name} {'yes' if present else 'no'}" for name, present in chosen["features"].items()))
@@ -66,8 +69,8 @@ def _print_plugin() -> None:
 
 
 def inspect(args: argparse.Namespace) -> int:
-    from sparse_attention_op.generation import model_files
     from sparse_attention_op.cli.inspection import format_report, inspect_model
+    from sparse_attention_op.generation import model_files
 
     files = model_files.resolve(args.model)
     report = inspect_model(model_files.load(files, with_weights=False), files, args.ep)
@@ -81,9 +84,9 @@ def inspect(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     """One run of the model on WebGPU with random or given feeds; optionally against ORT CPU."""
     from sparse_attention_op.generation import model_files
-    from sparse_attention_op.testing.feeds import FeedSettings, check_feeds, history_lengths, npz_path, random_feeds, ragged_rows
-    from sparse_attention_op.testing.plain_ort import run_plain_ort, shared_pairs
     from sparse_attention_op.ort.session import create_session
+    from sparse_attention_op.testing.feeds import FeedSettings, check_feeds, history_lengths, npz_path, ragged_rows, random_feeds
+    from sparse_attention_op.testing.plain_ort import run_plain_ort, shared_pairs
 
     files = model_files.resolve(args.model)
     model = model_files.load(files)
@@ -91,8 +94,9 @@ def run(args: argparse.Namespace) -> int:
         feeds = check_feeds(model, _read_npz(args.feeds), str(args.feeds))
         notes = []
     else:
-        settings = FeedSettings(batch=args.batch, seq=args.seq, past=args.past, capacity=args.capacity,
-                                head_size=args.head_size, dims=dict(args.dim), seed=args.seed)
+        settings = FeedSettings(
+            batch=args.batch, seq=args.seq, past=args.past, capacity=args.capacity, head_size=args.head_size, dims=dict(args.dim), seed=args.seed
+        )
         feeds, notes = random_feeds(model, settings, (files.genai_config or {}).get("model", {}).get("vocab_size"))
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
@@ -108,7 +112,9 @@ def run(args: argparse.Namespace) -> int:
         reference = run_plain_ort(model, feeds)
     print(f"model: {files.onnx_path}")
     print("feeds: " + ", ".join(f"{name} {list(np.shape(value))} {np.asarray(value).dtype}" for name, value in feeds.items()))
-    timing = f"{1e3 * seconds[0]:.2f} ms" + (f" first, {1e3 * float(np.median(seconds[1:])):.2f} ms median of the other {len(seconds) - 1}" if len(seconds) > 1 else "")
+    timing = f"{1e3 * seconds[0]:.2f} ms" + (
+        f" first, {1e3 * float(np.median(seconds[1:])):.2f} ms median of the other {len(seconds) - 1}" if len(seconds) > 1 else ""
+    )
     print(f"session.run on WebGPU: {timing} (the first run compiles the kernels)\n")
     header = ["output", "shape", "dtype", "max |x|", "NaN/inf"]
     if reference is not None:
@@ -144,8 +150,11 @@ def run(args: argparse.Namespace) -> int:
     if lengths is not None and presents:
         print("\npresents: only each row's history rows are summarised and compared (the rest are junk by contract)")
     if reference is not None and ragged:
-        print("\nnote: the feeds' rows have different lengths; ORT's own CPU kernel gets those wrong (docs/design.md section 1),"
-              " so differences there are expected", file=sys.stderr)
+        print(
+            "\nnote: the feeds' rows have different lengths; ORT's own CPU kernel gets those wrong (docs/design.md section 1),"
+            " so differences there are expected",
+            file=sys.stderr,
+        )
     if args.save:
         saved = npz_path(args.save)
         np.savez(saved, **outputs)
@@ -158,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
 def generate(args: argparse.Namespace) -> int:
     """Greedy or sampled generation from the given prompt ids; optionally against ORT CPU."""
     from sparse_attention_op.generation import model_files
-    from sparse_attention_op.generation.loop import GenerationError, Sampling, cache_dims_of, divergences, generate as generate_tokens
+    from sparse_attention_op.generation.loop import GenerationError, Sampling, cache_dims_of, divergences
+    from sparse_attention_op.generation.loop import generate as generate_tokens
 
     files = model_files.resolve(args.model)
     prompts = args.prompt_ids
@@ -169,7 +179,9 @@ def generate(args: argparse.Namespace) -> int:
     with _StepProgress(args.max_new_tokens, not args.no_progress) as progress:
         # The model's path, not a session: generate reads its cache dims and context there.
         try:
-            result = generate_tokens(files.onnx_path, prompts, args.max_new_tokens, on_step=progress.step, kv_check=args.kv_check, ep=args.ep, **options)
+            result = generate_tokens(
+                files.onnx_path, prompts, args.max_new_tokens, on_step=progress.step, kv_check=args.kv_check, ep=args.ep, **options
+            )
         except GenerationError as error:
             raise GenerationError(_in_flags(str(error))) from None
     document = {"tokens": result.tokens, "ms_per_token": result.ms_per_token}
@@ -179,8 +191,11 @@ def generate(args: argparse.Namespace) -> int:
     for b, (prompt, tokens) in enumerate(zip(prompts, result.tokens)):
         print(f"row {b}: prompt {','.join(map(str, prompt))} -> {','.join(map(str, tokens))} ({result.finish_reasons[b]})", file=report)
     if result.step_seconds:
-        print(f"{result.ms_per_token:.2f} ms per token (decode step), {result.tokens_per_second:.1f} tokens/s over "
-              f"{len(prompts)} row(s); prompt {1e3 * result.prompt_seconds:.1f} ms (includes compiling the kernels)", file=report)
+        print(
+            f"{result.ms_per_token:.2f} ms per token (decode step), {result.tokens_per_second:.1f} tokens/s over "
+            f"{len(prompts)} row(s); prompt {1e3 * result.prompt_seconds:.1f} ms (includes compiling the kernels)",
+            file=report,
+        )
     else:
         print(f"one token per row, from the prompt: {1e3 * result.prompt_seconds:.1f} ms (includes compiling the kernels)", file=report)
     failures = []
@@ -193,8 +208,11 @@ def generate(args: argparse.Namespace) -> int:
         if args.sample:
             # Seeded draws match only when both runs draw the same sequence: one batch, one seed.
             same = "identical" if reference == result.tokens else "different"
-            print(f"ONNX Runtime's CPU kernel: {same} sampled tokens (not judged: sampled runs agree only with --seed "
-                  "and prompts of one length, and only while their probabilities do)", file=report)
+            print(
+                f"ONNX Runtime's CPU kernel: {same} sampled tokens (not judged: sampled runs agree only with --seed "
+                "and prompts of one length, and only while their probabilities do)",
+                file=report,
+            )
         else:
             found = divergences(plain, prompts, result.tokens, reference, options["cache_dims"])
             failures = [d for d in found if not d.near_tie]
@@ -202,8 +220,10 @@ def generate(args: argparse.Namespace) -> int:
                 print("ONNX Runtime's CPU kernel: identical tokens", file=report)
             for d in found:
                 verdict = "DIFFERENT" if d in failures else "identical up to a near-tie"
-                print(f"ONNX Runtime's CPU kernel: {verdict}: {d.describe()}" + ("" if d in failures else "; the runs follow different paths after it"),
-                      file=report)
+                print(
+                    f"ONNX Runtime's CPU kernel: {verdict}: {d.describe()}" + ("" if d in failures else "; the runs follow different paths after it"),
+                    file=report,
+                )
     if args.json:
         _write_json(document, args.json)
     if failures:
@@ -312,8 +332,10 @@ def export_decoder(args: argparse.Namespace) -> int:
     from sparse_attention_op.cli.export import export_decoder as write
 
     path, config = write(args)
-    print(f"wrote {path} and {path.parent / 'genai_config.json'}: {config.layers} layers, {config.dtype}, "
-          f"{config.num_heads} heads over {config.kv_num_heads}, head size {config.head_size}, context {config.max_position}")
+    print(
+        f"wrote {path} and {path.parent / 'genai_config.json'}: {config.layers} layers, {config.dtype}, "
+        f"{config.num_heads} heads over {config.kv_num_heads}, head size {config.head_size}, context {config.max_position}"
+    )
     return 0
 
 

@@ -21,12 +21,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from sparse_attention_op.testing.graphs import finish_model
-from sparse_attention_op.testing.inputs import rotary_caches
 from sparse_attention_op.op.layouts import mask_to_csr, phi3_small_mask
 from sparse_attention_op.op.reference import sparse_attention_reference
 from sparse_attention_op.op.spec import DOMAIN, OP_TYPE
 from sparse_attention_op.ort.graph import node_attributes
+from sparse_attention_op.testing.graphs import finish_model
+from sparse_attention_op.testing.inputs import rotary_caches
 
 DEFAULT_MODEL = Path("models") / "demo_decoder_attention.onnx"
 #: What ``make demo`` runs: the bundled multi-layer decoder (scripts/build_models.py).
@@ -70,8 +70,19 @@ def build_demo_model(shape: DemoShape = DemoShape(), seed: int = 0) -> onnx.Mode
         helper.make_node("MatMul", ["hidden_states", "w_qkv"], ["qkv"], name="qkv_proj"),
         helper.make_node(
             OP_TYPE,
-            ["qkv", "", "", "past_key", "past_value", "block_row_indices", "block_col_indices",
-             "total_sequence_length", "key_total_sequence_lengths", "cos_cache", "sin_cache"],
+            [
+                "qkv",
+                "",
+                "",
+                "past_key",
+                "past_value",
+                "block_row_indices",
+                "block_col_indices",
+                "total_sequence_length",
+                "key_total_sequence_lengths",
+                "cos_cache",
+                "sin_cache",
+            ],
             ["attention", "present_key", "present_value"],
             name="sparse_attention",
             domain=DOMAIN,
@@ -106,8 +117,18 @@ def reference_step(model: onnx.ModelProto, feeds: dict) -> tuple[np.ndarray, np.
     attrs = node_attributes(node)
     qkv = feeds["hidden_states"].astype(np.float64) @ weights["w_qkv"]
     attention, present_key, present_value = sparse_attention_reference(
-        qkv, None, None, feeds["past_key"], feeds["past_value"], weights["block_row_indices"], weights["block_col_indices"],
-        feeds["total_sequence_length"], feeds["key_total_sequence_lengths"], weights["cos_cache"], weights["sin_cache"], **attrs,
+        qkv,
+        None,
+        None,
+        feeds["past_key"],
+        feeds["past_value"],
+        weights["block_row_indices"],
+        weights["block_col_indices"],
+        feeds["total_sequence_length"],
+        feeds["key_total_sequence_lengths"],
+        weights["cos_cache"],
+        weights["sin_cache"],
+        **attrs,
     )
     return attention @ weights["w_out"], present_key, present_value
 
@@ -122,10 +143,10 @@ def run_demo(folder: Path | None = None, prompt_len: int = 40, steps: int = 24, 
     """
     import onnxruntime as ort
 
-    from sparse_attention_op.ort.session import create_session
-    from sparse_attention_op.testing.decoder_models import BUNDLED_MODELS, decoder_reference, write_model_folder
     from sparse_attention_op.generation.loop import generate, prompt_logits
     from sparse_attention_op.generation.model_files import load, resolve
+    from sparse_attention_op.ort.session import create_session
+    from sparse_attention_op.testing.decoder_models import BUNDLED_MODELS, decoder_reference, write_model_folder
     from sparse_attention_op.webgpu import get_context
 
     folder = Path(folder) if folder is not None else DEMO_FOLDER
@@ -136,13 +157,17 @@ def run_demo(folder: Path | None = None, prompt_len: int = 40, steps: int = 24, 
     config = files.genai_config["model"]
     vocab, context_length = config["vocab_size"], config["context_length"]
     if prompt_len < 14 or prompt_len + steps > context_length:
-        raise ValueError(f"the prompt length (--prompt) must be >= 14, since the second row's prompt is 13 tokens shorter, and "
-                         f"it plus the steps (--steps) at most the model's context of {context_length}, got {prompt_len} and {steps}")
+        raise ValueError(
+            f"the prompt length (--prompt) must be >= 14, since the second row's prompt is 13 tokens shorter, and "
+            f"it plus the steps (--steps) at most the model's context of {context_length}, got {prompt_len} and {steps}"
+        )
     printer(f"adapter: {get_context().description}")
     decoder = files.decoder_config
-    printer(f"model: {files.onnx_path} ({decoder['num_hidden_layers']} layers, {decoder['num_attention_heads']} heads over "
-            f"{decoder['num_key_value_heads']}, head size {decoder['head_size']}, vocab {vocab}; SparseAttention with every "
-            "second layer GroupQueryAttention, as in Phi-3-small)")
+    printer(
+        f"model: {files.onnx_path} ({decoder['num_hidden_layers']} layers, {decoder['num_attention_heads']} heads over "
+        f"{decoder['num_key_value_heads']}, head size {decoder['head_size']}, vocab {vocab}; SparseAttention with every "
+        "second layer GroupQueryAttention, as in Phi-3-small)"
+    )
     rng = np.random.default_rng(0)
     lengths = [prompt_len, prompt_len - 13]
     prompts = [[int(t) for t in rng.integers(2, vocab, n)] for n in lengths]
@@ -156,14 +181,18 @@ def run_demo(folder: Path | None = None, prompt_len: int = 40, steps: int = 24, 
     bound = 5e-2 if _cache_dtype(model) == np.float16 else 2e-3
     scale = float(np.abs(expected).max())
     reference_ok = error <= bound * max(1.0, scale)
-    printer(f"prompt logits against the float64 reference: max |error| {error:.2e} (logits up to {scale:.1f}; "
-            f"{'OK' if reference_ok else 'TOO LARGE'}, bound {bound:g} x max(1, |logits|))")
+    printer(
+        f"prompt logits against the float64 reference: max |error| {error:.2e} (logits up to {scale:.1f}; "
+        f"{'OK' if reference_ok else 'TOO LARGE'}, bound {bound:g} x max(1, |logits|))"
+    )
 
     result = generate(session, prompts, steps)
     for b, tokens in enumerate(result.tokens):
         printer(f"row {b}: {', '.join(map(str, tokens))}")
-    printer(f"decode: {result.ms_per_token:.2f} ms per step for both rows, {result.tokens_per_second:.0f} tokens/s "
-            f"(prompt {1e3 * result.prompt_seconds:.0f} ms)")
+    printer(
+        f"decode: {result.ms_per_token:.2f} ms per step for both rows, {result.tokens_per_second:.0f} tokens/s "
+        f"(prompt {1e3 * result.prompt_seconds:.0f} ms)"
+    )
     plain = ort.InferenceSession(str(files.onnx_path), providers=["CPUExecutionProvider"])
     theirs = [generate(plain, [prompt], steps).tokens[0] for prompt in prompts]
     same = theirs == result.tokens

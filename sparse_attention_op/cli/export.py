@@ -17,16 +17,31 @@ import numpy as np
 import onnx
 
 from sparse_attention_op.cli.arguments import UsageError
+from sparse_attention_op.op.spec import OpAttributes, SparseAttentionError, build_call
 from sparse_attention_op.testing.decoder_models import BUNDLED_MODELS, DecoderConfig, write_model_folder
 from sparse_attention_op.testing.feeds import npz_path
 from sparse_attention_op.testing.graphs import sparse_attention_model
 from sparse_attention_op.testing.inputs import CaseConfig, random_inputs
-from sparse_attention_op.op.spec import OpAttributes, SparseAttentionError, build_call
 
 DEFAULT_PRESET = "phi3-small-tiny"
 #: DecoderConfig fields the command line may override (--layers 6, --dtype float16, ...).
-DECODER_OPTIONS = ("layers", "hidden", "num_heads", "kv_num_heads", "head_size", "sparse_block_size", "local_blocks",
-                   "vert_stride", "max_position", "dense_every", "vocab_size", "intermediate", "seed", "dtype", "norm")
+DECODER_OPTIONS = (
+    "layers",
+    "hidden",
+    "num_heads",
+    "kv_num_heads",
+    "head_size",
+    "sparse_block_size",
+    "local_blocks",
+    "vert_stride",
+    "max_position",
+    "dense_every",
+    "vocab_size",
+    "intermediate",
+    "seed",
+    "dtype",
+    "norm",
+)
 
 
 def add_graph_options(parser: argparse.ArgumentParser) -> None:
@@ -53,11 +68,21 @@ def add_graph_options(parser: argparse.ArgumentParser) -> None:
 def export_graph(args: argparse.Namespace) -> list[Path]:
     """Write the one-node graph (and feeds) that ``args`` describe; the paths written."""
     config = CaseConfig(
-        batch=args.batch, seq_len=args.seq_len, num_heads=args.num_heads, kv_num_heads=args.kv_num_heads,
-        head_size=args.head_size, max_cache_len=args.max_cache_len, sparse_block_size=args.block,
-        num_layout=args.num_layout, local_blocks=args.local_blocks, vert_stride=args.vert_stride,
-        past_lengths=None if args.past is None else (args.past,) * args.batch, packed=args.packed,
-        do_rotary=args.rotary, rotary_interleaved=args.interleaved, rotary_dim=args.rotary_dim,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        num_heads=args.num_heads,
+        kv_num_heads=args.kv_num_heads,
+        head_size=args.head_size,
+        max_cache_len=args.max_cache_len,
+        sparse_block_size=args.block,
+        num_layout=args.num_layout,
+        local_blocks=args.local_blocks,
+        vert_stride=args.vert_stride,
+        past_lengths=None if args.past is None else (args.past,) * args.batch,
+        packed=args.packed,
+        do_rotary=args.rotary,
+        rotary_interleaved=args.interleaved,
+        rotary_dim=args.rotary_dim,
     )
     for option, given in (("--rotary-dim", args.rotary_dim is not None), ("--interleaved", args.interleaved)):
         if given and not args.rotary:
@@ -65,8 +90,9 @@ def export_graph(args: argparse.Namespace) -> list[Path]:
     _check_graph_config(config)
     inputs = random_inputs(config, np.random.default_rng(args.seed))
     _check_against_spec(config, inputs)
-    model = sparse_attention_model(config.node_attributes(), inputs, constants=("block_row_indices", "block_col_indices"),
-                                   shapes=declared_shapes(config))
+    model = sparse_attention_model(
+        config.node_attributes(), inputs, constants=("block_row_indices", "block_col_indices"), shapes=declared_shapes(config)
+    )
     args.output.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(model, str(args.output))
     written = [args.output]
@@ -80,14 +106,22 @@ def export_graph(args: argparse.Namespace) -> list[Path]:
 
 def _check_graph_config(config: CaseConfig) -> None:
     """The rules the graph's shapes must meet, as command-line messages (before any work)."""
-    for option, value in (("--batch", config.batch), ("--seq-len", config.seq_len), ("--num-heads", config.num_heads),
-                          ("--kv-num-heads", config.kv_num_heads), ("--head-size", config.head_size),
-                          ("--max-cache-len", config.max_cache_len), ("--block", config.sparse_block_size),
-                          ("--num-layout", config.num_layout)):
+    for option, value in (
+        ("--batch", config.batch),
+        ("--seq-len", config.seq_len),
+        ("--num-heads", config.num_heads),
+        ("--kv-num-heads", config.kv_num_heads),
+        ("--head-size", config.head_size),
+        ("--max-cache-len", config.max_cache_len),
+        ("--block", config.sparse_block_size),
+        ("--num-layout", config.num_layout),
+    ):
         if value < 1:
             raise UsageError(f"{option} must be at least 1, got {value}")
     if config.num_heads % config.kv_num_heads or config.num_heads % config.num_layout:
-        raise UsageError(f"--num-heads {config.num_heads} must be a multiple of --kv-num-heads {config.kv_num_heads} and --num-layout {config.num_layout}")
+        raise UsageError(
+            f"--num-heads {config.num_heads} must be a multiple of --kv-num-heads {config.kv_num_heads} and --num-layout {config.num_layout}"
+        )
     if config.local_blocks < 0:
         raise UsageError(f"--local-blocks must be >= 0, got {config.local_blocks}")
     if config.vert_stride < 1:
@@ -120,10 +154,15 @@ def declared_shapes(config: CaseConfig) -> dict[str, list]:
     cache_shape = [batch, kv_heads, cache, head]
     shapes = {
         "query": [batch, seq, (heads + 2 * kv_heads if config.packed else heads) * head],
-        "key": [batch, seq, kv_heads * head], "value": [batch, seq, kv_heads * head],
-        "past_key": cache_shape, "past_value": cache_shape,
-        "total_sequence_length": [1], "key_total_sequence_lengths": [batch],
-        "output": [batch, seq, heads * head], "present_key": cache_shape, "present_value": cache_shape,
+        "key": [batch, seq, kv_heads * head],
+        "value": [batch, seq, kv_heads * head],
+        "past_key": cache_shape,
+        "past_value": cache_shape,
+        "total_sequence_length": [1],
+        "key_total_sequence_lengths": [batch],
+        "output": [batch, seq, heads * head],
+        "present_key": cache_shape,
+        "present_value": cache_shape,
     }
     if config.do_rotary:
         shapes["cos_cache"] = shapes["sin_cache"] = ["max_rotary_len", (config.rotary_dim or head) // 2]
@@ -133,13 +172,18 @@ def declared_shapes(config: CaseConfig) -> dict[str, list]:
 def add_decoder_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("folder", type=Path, help="the GenAI model folder to write (model.onnx, genai_config.json)")
     parser.add_argument("--overwrite", action="store_true", help="replace the folder's model and genai_config.json if it has them")
-    parser.add_argument("--preset", choices=sorted(BUNDLED_MODELS), default=DEFAULT_PRESET,
-                        help="the configuration to start from (default %(default)s; models/ holds each)")
+    parser.add_argument(
+        "--preset",
+        choices=sorted(BUNDLED_MODELS),
+        default=DEFAULT_PRESET,
+        help="the configuration to start from (default %(default)s; models/ holds each)",
+    )
     defaults = DecoderConfig()
     for name in DECODER_OPTIONS:
         kind = type(getattr(defaults, name))
-        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, metavar=kind.__name__.upper(),
-                            help=f"override the preset's {name}")
+        parser.add_argument(
+            f"--{name.replace('_', '-')}", type=kind, default=None, metavar=kind.__name__.upper(), help=f"override the preset's {name}"
+        )
 
 
 def export_decoder(args: argparse.Namespace) -> tuple[Path, DecoderConfig]:

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto, external_data_helper, helper, numpy_helper
+from onnx import external_data_helper, numpy_helper
 
-from sparse_attention_op.ort.graph import TensorInfo, all_nodes, constant_tensors, declared_tensors, is_sparse_attention, node_attributes
-from sparse_attention_op.ort.model import load_constant_layouts, prepare_model
 from sparse_attention_op.generation.model_files import ModelFiles
 from sparse_attention_op.op.spec import INPUT_NAMES, OUTPUT_NAMES, SparseAttentionError
+from sparse_attention_op.ort.graph import TensorInfo, all_nodes, constant_tensors, declared_tensors, is_sparse_attention, node_attributes
+from sparse_attention_op.ort.model import load_constant_layouts, prepare_model
 
 WEBGPU = "WebGPU (SparseAttention through this package's op)"
 ORT_CPU = "ONNX Runtime CPU"
@@ -52,8 +52,10 @@ class LayoutInfo:
             densities = ", ".join(f"{d:.3f}" for d in self.density)
         else:  # Phi-3-small has 32: the spread says enough (--json lists each)
             densities = f"{min(self.density):.3f} to {max(self.density):.3f}, mean {np.mean(self.density):.3f}"
-        return (f"{self.num_layout} layout(s) of {self.max_blocks} block rows x {self.sparse_block_size} tokens; "
-                f"density (selected/causal blocks): {densities}")
+        return (
+            f"{self.num_layout} layout(s) of {self.max_blocks} block rows x {self.sparse_block_size} tokens; "
+            f"density (selected/causal blocks): {densities}"
+        )
 
 
 @dataclass
@@ -101,7 +103,9 @@ def inspect_model(model: onnx.ModelProto, files: ModelFiles, ep: str = "cpu") ->
                 info = declared.get(tensor, TensorInfo(tensor, "?", None))
                 kind = "constant" if tensor in constants else "graph input" if tensor in graph_inputs else "computed"
                 inputs.append(TensorInfo(_slot_label(slot, tensor), info.dtype, info.shape, kind))
-        outputs = [TensorInfo(_slot_label(slot, tensor), *_dtype_shape(declared, tensor)) for slot, tensor in zip(OUTPUT_NAMES, node.output) if tensor]
+        outputs = [
+            TensorInfo(_slot_label(slot, tensor), *_dtype_shape(declared, tensor)) for slot, tensor in zip(OUTPUT_NAMES, node.output) if tensor
+        ]
         layout_index = None
         pair = (named.get("block_row_indices", ""), named.get("block_col_indices", ""))
         if all(pair):
@@ -213,11 +217,11 @@ def format_report(report: ModelReport) -> str:
 
 def _same_signature(node: NodeInfo, other: NodeInfo) -> bool:
     """Same attributes, slots, dtypes, shapes, sources and layout: only tensor names differ."""
+
     def signature(n: NodeInfo):
         # Shape inference stops at the first contrib op, so computed tensors of later layers
         # lose their shapes: only what the graph itself fixes is compared.
-        slots = [(t.name.split(":")[0], t.dtype, t.shape_text if t.kind in ("graph input", "constant") else "", t.kind)
-                 for t in n.inputs]
+        slots = [(t.name.split(":")[0], t.dtype, t.shape_text if t.kind in ("graph input", "constant") else "", t.kind) for t in n.inputs]
         return n.attributes, slots, n.layout
 
     return signature(node) == signature(other)

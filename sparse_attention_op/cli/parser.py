@@ -65,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     from sparse_attention_op.cli.demo import DEFAULT_MODEL
     from sparse_attention_op.cli.export import add_decoder_options, add_graph_options
 
-    parser = argparse.ArgumentParser(prog="sparse-attention-op", description=__doc__, epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="sparse-attention-op", description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--traceback", action="store_true", help="on failure, print the whole traceback instead of one line")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -74,8 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("model", metavar="MODEL", help="an .onnx file or an ORT GenAI model folder")
 
     def ep_option(p: argparse.ArgumentParser, what: str) -> None:
-        p.add_argument("--ep", choices=EPS, default="cpu",
-                       help=f"where {what} (default %(default)s; webgpu: ORT's WebGPU plugin EP, pip install onnxruntime-ep-webgpu)")
+        p.add_argument(
+            "--ep",
+            choices=EPS,
+            default="cpu",
+            help=f"where {what} (default %(default)s; webgpu: ORT's WebGPU plugin EP, pip install onnxruntime-ep-webgpu)",
+        )
 
     def kv_check_option(p: argparse.ArgumentParser, default: str) -> None:
         p.add_argument("--kv-check", choices=["exact", "fast"], default=default, help="the cache check (default %(default)s)")
@@ -90,11 +95,19 @@ def build_parser() -> argparse.ArgumentParser:
         traceback_option(p)
         return p
 
-    p = command("info", commands.info, "versions, wgpu adapters, the chosen adapter's features, limits and tuning, and which pass runs a prompt and a decode step")
+    p = command(
+        "info",
+        commands.info,
+        "versions, wgpu adapters, the chosen adapter's features, limits and tuning, and which pass runs a prompt and a decode step",
+    )
     p.add_argument("--json", metavar="OUT", help="write the report as JSON to OUT ('-': stdout)")
 
-    p = command("inspect", commands.inspect, "SparseAttention nodes, their attributes and inputs, layout densities, what runs where, "
-                "and whether create_session loads the model (exit 1 if it would refuse it)")
+    p = command(
+        "inspect",
+        commands.inspect,
+        "SparseAttention nodes, their attributes and inputs, layout densities, what runs where, "
+        "and whether create_session loads the model (exit 1 if it would refuse it)",
+    )
     model_argument(p)
     p.add_argument("--json", metavar="OUT", help="write the report as JSON to OUT ('-': stdout)")
     ep_option(p, "the other nodes would run: webgpu asks ORT by making a session")
@@ -117,13 +130,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("generate", commands.generate, "generate tokens from prompt ids with a GenAI-convention decoder (shared KV buffers)")
     model_argument(p)
-    p.add_argument("--prompt-ids", type=_token_ids, action="append", required=True, metavar="IDS",
-                   help="one prompt as comma-separated token ids; repeat for a batch (rows may differ in length)")
+    p.add_argument(
+        "--prompt-ids",
+        type=_token_ids,
+        action="append",
+        required=True,
+        metavar="IDS",
+        help="one prompt as comma-separated token ids; repeat for a batch (rows may differ in length)",
+    )
     p.add_argument("--max-new-tokens", type=positive, default=32, help="new tokens per row at most (default %(default)s)")
     p.add_argument("--compare-ort", action="store_true", help="check the tokens against ONNX Runtime's own CPU kernels (exit 1 if they differ)")
     p.add_argument("--json", metavar="OUT", help='write {"tokens": [[new ids per row]], "ms_per_token": x} to OUT (\'-\': stdout)')
-    p.add_argument("--stop-ids", type=_token_ids, default=None, metavar="IDS",
-                   help="a row stops after emitting one of these (default: a GenAI folder's eos_token_id; none for a bare .onnx)")
+    p.add_argument(
+        "--stop-ids",
+        type=_token_ids,
+        default=None,
+        metavar="IDS",
+        help="a row stops after emitting one of these (default: a GenAI folder's eos_token_id; none for a bare .onnx)",
+    )
     p.add_argument("--no-stop", action="store_true", help="never stop before --max-new-tokens")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy argmax")
     p.add_argument("--temperature", type=float, default=None, help=f"with --sample (default {SAMPLING_DEFAULTS['temperature']})")
@@ -135,25 +159,44 @@ def build_parser() -> argparse.ArgumentParser:
     ep_option(p, "the other nodes run")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    p = command("bench", commands.bench, "the benchmark sweep (prefill and decode against torch and ORT CPU), with a PNG plot",
-                epilog=sweep.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command(
+        "bench",
+        commands.bench,
+        "the benchmark sweep (prefill and decode against torch and ORT CPU), with a PNG plot",
+        epilog=sweep.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sweep.build_parser(p)
 
     p = command("export", None, "write test graphs and small decoders")
     exports = p.add_subparsers(dest="what", required=True, metavar="WHAT")
-    graph = exports.add_parser("graph", help="a one-node SparseAttention graph, and random feeds for it (--inputs)",
-                               description="a one-node SparseAttention graph (the layout as initializers), and random feeds for it")
+    graph = exports.add_parser(
+        "graph",
+        help="a one-node SparseAttention graph, and random feeds for it (--inputs)",
+        description="a one-node SparseAttention graph (the layout as initializers), and random feeds for it",
+    )
     add_graph_options(graph)
     graph.set_defaults(func=commands.export_graph)
-    decoder = exports.add_parser("decoder", help="an ORT GenAI model folder with a small Phi-3-small-style decoder",
-                                 description="an ORT GenAI model folder (model.onnx, genai_config.json) with a decoder "
-                                             "like those in models/, fields overridable")
+    decoder = exports.add_parser(
+        "decoder",
+        help="an ORT GenAI model folder with a small Phi-3-small-style decoder",
+        description="an ORT GenAI model folder (model.onnx, genai_config.json) with a decoder like those in models/, fields overridable",
+    )
     add_decoder_options(decoder)
     decoder.set_defaults(func=commands.export_decoder)
-    demo_model = exports.add_parser("demo", help="the one-block demo model (models/demo_decoder_attention.onnx)",
-                                    description="Write the one-block demo model, the file the package ships, to OUTPUT.")
-    demo_model.add_argument("output", type=Path, nargs="?", default=DEFAULT_MODEL, metavar="OUTPUT",
-                            help=f"where to write it (default {DEFAULT_MODEL}, which it overwrites)")
+    demo_model = exports.add_parser(
+        "demo",
+        help="the one-block demo model (models/demo_decoder_attention.onnx)",
+        description="Write the one-block demo model, the file the package ships, to OUTPUT.",
+    )
+    demo_model.add_argument(
+        "output",
+        type=Path,
+        nargs="?",
+        default=DEFAULT_MODEL,
+        metavar="OUTPUT",
+        help=f"where to write it (default {DEFAULT_MODEL}, which it overwrites)",
+    )
     demo_model.set_defaults(func=commands.export_demo)
     for export_parser in (graph, decoder, demo_model):
         export_parser.set_defaults(subparser=export_parser)  # usage errors show this command's usage
@@ -183,7 +226,7 @@ def main(argv=None) -> int:
         from sparse_attention_op.benchmarking import sweep
 
         sweep.resolve_args(args, args.subparser)
-        args.argv = argv[argv.index("bench") + 1:]
+        args.argv = argv[argv.index("bench") + 1 :]
     try:
         return args.func(args)
     except UsageError as error:

@@ -44,8 +44,16 @@ def adapter_summaries() -> list[dict]:
     """Every adapter wgpu enumerates, best first (the order the package picks from)."""
     from sparse_attention_op.webgpu.device import describe, list_adapters
 
-    return [{"description": describe(a), "type": a.info.get("adapter_type", "?"), "backend": a.info.get("backend_type", "?"),
-             "vendor": a.info.get("vendor", "?"), "driver": a.info.get("description", "")} for a in list_adapters()]
+    return [
+        {
+            "description": describe(a),
+            "type": a.info.get("adapter_type", "?"),
+            "backend": a.info.get("backend_type", "?"),
+            "vendor": a.info.get("vendor", "?"),
+            "driver": a.info.get("description", ""),
+        }
+        for a in list_adapters()
+    ]
 
 
 def chosen_adapter() -> dict:
@@ -82,9 +90,17 @@ def example_routes(tuning) -> dict[str, str]:
     cache = (1, kv_heads, _EXAMPLE_CAPACITY, _EXAMPLE_HEAD_SIZE)
     routes = {}
     for label, seq_len, total in (("prefill 1024", 1024, 1024), (f"decode at {_EXAMPLE_CAPACITY - 1}", 1, _EXAMPLE_CAPACITY)):
-        shapes = {"query": (1, seq_len, heads * _EXAMPLE_HEAD_SIZE), "key": (1, seq_len, kv_heads * _EXAMPLE_HEAD_SIZE),
-                  "value": (1, seq_len, kv_heads * _EXAMPLE_HEAD_SIZE), "past_key": cache, "past_value": cache,
-                  "block_row_indices": (heads, blocks + 1), "block_col_indices": (heads, blocks * 4), "cos_cache": None, "sin_cache": None}
+        shapes = {
+            "query": (1, seq_len, heads * _EXAMPLE_HEAD_SIZE),
+            "key": (1, seq_len, kv_heads * _EXAMPLE_HEAD_SIZE),
+            "value": (1, seq_len, kv_heads * _EXAMPLE_HEAD_SIZE),
+            "past_key": cache,
+            "past_value": cache,
+            "block_row_indices": (heads, blocks + 1),
+            "block_col_indices": (heads, blocks * 4),
+            "cos_cache": None,
+            "sin_cache": None,
+        }
         shape = describe_call(attributes, shapes, [total], [total])
         route = tuning.attention_route(shape)
         detail = ""

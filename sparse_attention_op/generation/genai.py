@@ -32,18 +32,19 @@ import tempfile
 import threading
 import uuid
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import onnx
 from onnxruntime_extensions import get_library_path
 
+from sparse_attention_op.generation.model_files import GENAI_CONFIG
 from sparse_attention_op.ort.bridge import BRIDGE_FORMAT, register
-from sparse_attention_op.ort.providers import WEBGPU_EP, ExecutionProviderError, require_ep, webgpu_plugin
-from sparse_attention_op.settings import SessionSettings
 from sparse_attention_op.ort.graph import all_nodes, is_sparse_attention
 from sparse_attention_op.ort.model import bridge_format, load_constant_layouts, prepare_model
-from sparse_attention_op.generation.model_files import GENAI_CONFIG
+from sparse_attention_op.ort.providers import WEBGPU_EP, ExecutionProviderError, require_ep, webgpu_plugin
+from sparse_attention_op.settings import SessionSettings
+
 #: What prepare_genai_folder did, for load_genai_model and for people reading the folder.
 #: A separate file: GenAI's config parser rejects keys it does not know.
 RECORD_FILE = "sparse_attention_op.json"
@@ -101,8 +102,13 @@ def prepare_genai_folder(source, target, *, kv_check: str = "fast", overwrite: b
         _copy_tree(source, staging, skip)
         config.setdefault("search", {})["past_present_share_buffer"] = True
         (staging / GENAI_CONFIG).write_text(json.dumps(config, indent=4) + "\n")
-        record = {"session_token": token, "kv_check": kv_check, "custom_ops_library": library.name, "models": rewritten,
-                  "bridge_format": BRIDGE_FORMAT}
+        record = {
+            "session_token": token,
+            "kv_check": kv_check,
+            "custom_ops_library": library.name,
+            "models": rewritten,
+            "bridge_format": BRIDGE_FORMAT,
+        }
         (staging / RECORD_FILE).write_text(json.dumps(record, indent=4) + "\n")
         _replace(target, staging)
     except BaseException:
@@ -167,7 +173,8 @@ def load_genai_model(folder, *, ep: str = "cpu", ep_options: dict | None = None)
     if found != BRIDGE_FORMAT:
         raise RuntimeError(
             f"folder {folder}: prepared by a sparse_attention_op with bridge format {found}; this version runs format "
-            f"{BRIDGE_FORMAT}: prepare the folder again with prepare_genai_folder")
+            f"{BRIDGE_FORMAT}: prepare the folder again with prepare_genai_folder"
+        )
     library = folder / record["custom_ops_library"]
     if not (library.is_file() and os.path.samefile(library, get_library_path())):
         raise RuntimeError(

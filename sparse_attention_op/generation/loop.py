@@ -23,19 +23,25 @@ import numbers
 import os
 import re
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 
+from sparse_attention_op.op.spec import INPUT_NAMES
+from sparse_attention_op.ort.graph import (
+    ModelLike,
+    declared_head_size,
+    declared_tensors,
+    is_group_query_attention,
+    is_sparse_attention,
+    node_attributes,
+)
 from sparse_attention_op.ort.io_binding import device_pasts, on_device
 from sparse_attention_op.ort.providers import require_ep, session_ep
 from sparse_attention_op.settings import SessionSettings, SettingsError
-from sparse_attention_op.op.spec import INPUT_NAMES
-from sparse_attention_op.ort.graph import (ModelLike, declared_head_size, declared_tensors, is_group_query_attention, is_sparse_attention,
-                                         node_attributes)
 
 INPUT_IDS, ATTENTION_MASK, POSITION_IDS, LOGITS = "input_ids", "attention_mask", "position_ids", "logits"
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
@@ -109,9 +115,14 @@ class GenerationResult:
         return decode_tokens / seconds if seconds > 0 else 0.0
 
     def to_dict(self) -> dict:
-        return {"tokens": self.tokens, "ms_per_token": self.ms_per_token, "tokens_per_second": self.tokens_per_second,
-                "prompt_ms": 1e3 * self.prompt_seconds, "prompt_lengths": self.prompt_lengths,
-                "finish_reasons": self.finish_reasons}
+        return {
+            "tokens": self.tokens,
+            "ms_per_token": self.ms_per_token,
+            "tokens_per_second": self.tokens_per_second,
+            "prompt_ms": 1e3 * self.prompt_seconds,
+            "prompt_lengths": self.prompt_lengths,
+            "finish_reasons": self.finish_reasons,
+        }
 
 
 @dataclass(frozen=True)
@@ -129,7 +140,7 @@ class _DecoderIO:
     id_dtypes: tuple[np.dtype, np.dtype, np.dtype]  # input_ids, attention_mask, position_ids (int64 or int32)
 
     @staticmethod
-    def of(session: ort.InferenceSession, hints: dict | None = None) -> "_DecoderIO":
+    def of(session: ort.InferenceSession, hints: dict | None = None) -> _DecoderIO:
         """The session's convention; ``hints`` ({"kv_heads", "head_size"}, read from the model's
         attention nodes by :func:`cache_dims_of`) stand in for cache dims the session declares symbolic."""
         hints = hints or {}
@@ -137,8 +148,10 @@ class _DecoderIO:
         outputs = {o.name for o in session.get_outputs()}
         for name in (INPUT_IDS, ATTENTION_MASK):
             if name not in inputs:
-                raise GenerationError(f"the model has no input '{name}': generate needs the ORT GenAI convention "
-                                      f"({INPUT_IDS}, {ATTENTION_MASK}, past_key_values.{{i}}.key/value)")
+                raise GenerationError(
+                    f"the model has no input '{name}': generate needs the ORT GenAI convention "
+                    f"({INPUT_IDS}, {ATTENTION_MASK}, past_key_values.{{i}}.key/value)"
+                )
         if LOGITS not in outputs:
             raise GenerationError(f"the model has no output '{LOGITS}'")
         vocab = next(o.shape[-1] for o in session.get_outputs() if o.name == LOGITS)
@@ -165,8 +178,10 @@ class _DecoderIO:
                         if not isinstance(shape[axis], int) and hints.get(hint):
                             shape[axis] = hints[hint]
                 if len(shape) != 4 or not all(isinstance(d, int) for d in (shape[1], shape[3])):
-                    raise GenerationError(f"input '{graph_input.name}' must be [batch, kv_heads, rows, head_size] with fixed kv_heads and "
-                                          f"head_size, got {graph_input.shape} (pass the model itself, so generate reads them from its attention nodes, or cache_dims=)")
+                    raise GenerationError(
+                        f"input '{graph_input.name}' must be [batch, kv_heads, rows, head_size] with fixed kv_heads and "
+                        f"head_size, got {graph_input.shape} (pass the model itself, so generate reads them from its attention nodes, or cache_dims=)"
+                    )
                 shapes.add((shape[1], shape[3], graph_input.type))
                 rows.add(shape[2] if isinstance(shape[2], int) else None)
         if len(shapes) != 1:
@@ -186,9 +201,17 @@ class _DecoderIO:
             if declared not in integers:
                 raise GenerationError(f"input '{name}' must be int64 or int32, the model declares {declared}")
             id_dtypes.append(integers[declared])
-        return _DecoderIO(layers, kv_heads, head_size, np.dtype(dtypes[type_name]), POSITION_IDS in inputs,
-                          tuple(name for name in inputs if name not in known), vocab if isinstance(vocab, int) else None,
-                          static_rows, tuple(id_dtypes))
+        return _DecoderIO(
+            layers,
+            kv_heads,
+            head_size,
+            np.dtype(dtypes[type_name]),
+            POSITION_IDS in inputs,
+            tuple(name for name in inputs if name not in known),
+            vocab if isinstance(vocab, int) else None,
+            static_rows,
+            tuple(id_dtypes),
+        )
 
 
 def generate(
@@ -248,14 +271,18 @@ def generate(
     stops = _token_set(stop_tokens, "stop_tokens")
     longest = max(map(len, rows))
     if capacity is not None and (not _is_int(capacity) or capacity < longest + max_new_tokens):
-        raise GenerationError(f"capacity must be an int that holds the longest prompt plus max_new_tokens = {longest + max_new_tokens} rows, got {capacity!r}")
+        raise GenerationError(
+            f"capacity must be an int that holds the longest prompt plus max_new_tokens = {longest + max_new_tokens} rows, got {capacity!r}"
+        )
     require_ep(ep)
     session, hints = _session(model, kv_check, ep, ep_options)
     context = hints.get("context_length")
     # The positions a call reaches must lie in the context; the buffers may hold more rows.
     if context is not None and longest + max_new_tokens > context:
-        raise GenerationError(f"the longest prompt ({longest}) plus max_new_tokens ({max_new_tokens}) is {longest + max_new_tokens} "
-                              f"positions, more than the model's context of {context} tokens (its cos/sin rows and layout)")
+        raise GenerationError(
+            f"the longest prompt ({longest}) plus max_new_tokens ({max_new_tokens}) is {longest + max_new_tokens} "
+            f"positions, more than the model's context of {context} tokens (its cos/sin rows and layout)"
+        )
     if cache_dims is not None:
         hints = {**hints, "kv_heads": cache_dims[0], "head_size": cache_dims[1]}
     io = _DecoderIO.of(session, hints)
@@ -304,15 +331,20 @@ def _capacity(io: _DecoderIO, asked: int | None, needed: int) -> int:
     if io.static_rows is None:
         return int(asked) if asked is not None else needed
     if asked is not None and asked != io.static_rows:
-        raise GenerationError(f"capacity={asked} differs from the {io.static_rows} rows the model's pasts declare (a static KV cache): "
-                              "leave capacity out, or pass that number")
+        raise GenerationError(
+            f"capacity={asked} differs from the {io.static_rows} rows the model's pasts declare (a static KV cache): "
+            "leave capacity out, or pass that number"
+        )
     if needed > io.static_rows:
-        raise GenerationError(f"the longest prompt plus max_new_tokens is {needed} positions, more than the {io.static_rows} rows "
-                              "of the model's static KV cache")
+        raise GenerationError(
+            f"the longest prompt plus max_new_tokens is {needed} positions, more than the {io.static_rows} rows of the model's static KV cache"
+        )
     return io.static_rows
 
 
-def prompt_logits(session: ort.InferenceSession, prompts: Sequence[Sequence[int]], pad_token_id: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def prompt_logits(
+    session: ort.InferenceSession, prompts: Sequence[Sequence[int]], pad_token_id: int = 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One run of whole prompts over empty caches, as :func:`generate` starts:
     (logits float32 (batch, longest, vocab), the right-padded ids, the lengths). Logits at
     padding positions are whatever padding computes: use positions below each length."""
@@ -398,8 +430,12 @@ def _session(model, kv_check: str, ep: str, ep_options: dict | None) -> tuple[or
     proto, _ = load_for_session(model)  # the weights stay in their files
     kv_heads, head_size = cache_dims_of(proto)
     session = create_session(model if isinstance(model, (str, os.PathLike)) else proto, kv_check=kv_check, ep=ep, ep_options=ep_options)
-    hints = {"kv_heads": kv_heads, "head_size": head_size, "context_length": context_length_of(proto),
-             "device_layers": device_layers_of(proto) if ep == "webgpu" else frozenset()}
+    hints = {
+        "kv_heads": kv_heads,
+        "head_size": head_size,
+        "context_length": context_length_of(proto),
+        "device_layers": device_layers_of(proto) if ep == "webgpu" else frozenset(),
+    }
     return session, hints
 
 
@@ -472,7 +508,9 @@ def _prompt_rows(prompts, attention_mask) -> list[list[int]]:
         if mask.shape != ids.shape:
             raise GenerationError(f"attention_mask must have the prompts' shape {ids.shape}, got shape {mask.shape}")
         if not np.isin(mask, (0, 1)).all():
-            raise GenerationError(f"attention_mask must hold only 0 (padding) and 1 (token), got values {[int(v) for v in np.unique(mask) if v not in (0, 1)][:5]}")
+            raise GenerationError(
+                f"attention_mask must hold only 0 (padding) and 1 (token), got values {[int(v) for v in np.unique(mask) if v not in (0, 1)][:5]}"
+            )
         rows = []
         for b, row_mask in enumerate(mask.astype(bool)):
             kept = np.flatnonzero(row_mask)
@@ -563,12 +601,19 @@ class Divergence:
         if self.ours is None or self.theirs is None:
             return f"row {self.row}: one run stopped at new token {self.step}, the other did not"
         kind = "a near-tie" if self.near_tie else "a real difference"
-        return (f"row {self.row}, new token {self.step}: {self.ours} here, {self.theirs} there; the reference scores its own "
-                f"token {self.gap:.3g} higher (its logits resolve {self.resolution:.3g} there): {kind}")
+        return (
+            f"row {self.row}, new token {self.step}: {self.ours} here, {self.theirs} there; the reference scores its own "
+            f"token {self.gap:.3g} higher (its logits resolve {self.resolution:.3g} there): {kind}"
+        )
 
 
-def divergences(reference: ort.InferenceSession, prompts: Sequence[Sequence[int]], ours: Sequence[Sequence[int]],
-                theirs: Sequence[Sequence[int]], cache_dims: tuple[int, int] | None = None) -> list[Divergence]:
+def divergences(
+    reference: ort.InferenceSession,
+    prompts: Sequence[Sequence[int]],
+    ours: Sequence[Sequence[int]],
+    theirs: Sequence[Sequence[int]],
+    cache_dims: tuple[int, int] | None = None,
+) -> list[Divergence]:
     """Per row whose greedy tokens ``ours`` and ``theirs`` differ, where they first do, judged
     by the ``reference`` session (the run that produced ``theirs``); empty when every row is
     identical. The runs agree when each entry is a near-tie. ``cache_dims`` as for :func:`generate`."""

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -87,7 +87,7 @@ class OpAttributes:
     REQUIRED = ("num_heads", "kv_num_heads", "sparse_block_size")
 
     @classmethod
-    def from_mapping(cls, attrs: Mapping[str, object]) -> "OpAttributes":
+    def from_mapping(cls, attrs: Mapping[str, object]) -> OpAttributes:
         """Build from node attributes (ints/floats as ONNX or the bridge deliver them)."""
         for name in cls.REQUIRED:
             if name not in attrs:
@@ -120,8 +120,14 @@ class OpAttributes:
 
     def node_attributes(self) -> dict:
         """The attributes as a node carries them, the schema's defaults made explicit."""
-        return dict(num_heads=self.num_heads, kv_num_heads=self.kv_num_heads, sparse_block_size=self.sparse_block_size,
-                    scale=float(self.scale), do_rotary=int(self.do_rotary), rotary_interleaved=int(self.rotary_interleaved))
+        return dict(
+            num_heads=self.num_heads,
+            kv_num_heads=self.kv_num_heads,
+            sparse_block_size=self.sparse_block_size,
+            scale=float(self.scale),
+            do_rotary=int(self.do_rotary),
+            rotary_interleaved=int(self.rotary_interleaved),
+        )
 
 
 def _flag(attrs: Mapping[str, object], name: str) -> bool:
@@ -286,9 +292,18 @@ def describe_shapes(attributes: OpAttributes, shapes: Mapping[str, Shape | None]
             _fail(name, f"has {size} elements, more than 32-bit GPU indexing allows ({MAX_INDEX})")
 
     return ShapeFacts(
-        attributes=attributes, batch_size=batch, seq_len=seq_len, head_size=head_size, query_hidden=hidden,
-        max_cache_len=max_cache_len, num_layout=num_layout, max_blocks=max_blocks, max_nnz=max_nnz, packed_qkv=packed,
-        rotary_dim=rotary_dim, max_rotary_len=max_rotary_len,
+        attributes=attributes,
+        batch_size=batch,
+        seq_len=seq_len,
+        head_size=head_size,
+        query_hidden=hidden,
+        max_cache_len=max_cache_len,
+        num_layout=num_layout,
+        max_blocks=max_blocks,
+        max_nnz=max_nnz,
+        packed_qkv=packed,
+        rotary_dim=rotary_dim,
+        max_rotary_len=max_rotary_len,
     )
 
 
@@ -316,7 +331,10 @@ def describe_lengths(facts: ShapeFacts, total_sequence_length: np.ndarray, key_t
     for b, value in enumerate(key_totals):
         if not low <= value <= total:
             mode = "a prompt" if is_prompt else "a call with history"
-            _fail("key_total_sequence_lengths", f"entry {b} = {value} must lie in [{low}, {total}] for {mode} (sequence length {seq_len}, total {total})")
+            _fail(
+                "key_total_sequence_lengths",
+                f"entry {b} = {value} must lie in [{low}, {total}] for {mode} (sequence length {seq_len}, total {total})",
+            )
     past_lengths = (0,) * batch if is_prompt else tuple([value - seq_len for value in key_totals])
     if facts.attributes.do_rotary and facts.max_rotary_len < total:
         _fail("cos_cache", f"must hold at least total_sequence_length = {total} positions, got {facts.max_rotary_len}")
@@ -371,7 +389,9 @@ def check_layout(block_row_indices: np.ndarray, block_col_indices: np.ndarray) -
     steps = np.diff(rows.astype(np.int64), axis=1)
     if np.any(steps < 0):
         layout, row = (int(i) for i in np.argwhere(steps < 0)[0])
-        _fail("block_row_indices", f"offsets must never decrease (layout {layout}, row {row}: {int(rows[layout, row])} -> {int(rows[layout, row + 1])})")
+        _fail(
+            "block_row_indices", f"offsets must never decrease (layout {layout}, row {row}: {int(rows[layout, row])} -> {int(rows[layout, row + 1])})"
+        )
     if np.any(rows[:, -1] > max_nnz):
         layout = int(np.nonzero(rows[:, -1] > max_nnz)[0][0])
         _fail("block_row_indices", f"layout {layout} ends at offset {int(rows[layout, -1])}, beyond block_col_indices' {max_nnz} columns")
@@ -379,7 +399,10 @@ def check_layout(block_row_indices: np.ndarray, block_col_indices: np.ndarray) -
     bad = listed & ((cols < 0) | (cols >= max_blocks))
     if np.any(bad):
         layout, entry = (int(i) for i in np.argwhere(bad)[0])
-        _fail("block_col_indices", f"listed column must lie in [0, max_blocks = {max_blocks}), got {int(cols[layout, entry])} (layout {layout}, entry {entry})")
+        _fail(
+            "block_col_indices",
+            f"listed column must lie in [0, max_blocks = {max_blocks}), got {int(cols[layout, entry])} (layout {layout}, entry {entry})",
+        )
 
 
 @dataclass(frozen=True)
@@ -464,7 +487,11 @@ def assemble_call(
     for name, history in (("past_key", history_key), ("past_value", history_value)):
         rows = history.shape[2] if history.ndim == 4 else -1
         if history.shape != (b, nkv, rows, h) or (0 < rows < shape.history_rows) or rows > shape.max_cache_len:
-            _fail(name, f"history rows passed to the op must have shape ({b}, {nkv}, 0 or {shape.history_rows}..{shape.max_cache_len}, {h}), got {history.shape}")
+            _fail(
+                name,
+                f"history rows passed to the op must have shape ({b}, {nkv}, 0 or "
+                f"{shape.history_rows}..{shape.max_cache_len}, {h}), got {history.shape}",
+            )
     if history_key.shape != history_value.shape:
         _fail("past_value", f"history rows must match past_key's {history_key.shape}, got {history_value.shape}")
     if shape.attributes.do_rotary:

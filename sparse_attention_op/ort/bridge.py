@@ -35,13 +35,23 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sparse_attention_op.ort import extensions as _ortx_compat
+from sparse_attention_op.op.spec import (
+    INPUT_NAMES,
+    SHAPED_INPUTS,
+    CallShape,
+    OpAttributes,
+    SparseAttentionCall,
+    SparseAttentionError,
+    assemble_call,
+    describe_lengths,
+    describe_shapes,
+    new_rows,
+)
 from sparse_attention_op.ort import custom_op
+from sparse_attention_op.ort import extensions as _ortx_compat
 from sparse_attention_op.ort.custom_op import FLOAT, FLOAT16, INT32, OpDeclaration, Slot
 from sparse_attention_op.ort.presents import copy_past, write_rows
 from sparse_attention_op.settings import SessionSettings, SettingsError
-from sparse_attention_op.op.spec import (INPUT_NAMES, SHAPED_INPUTS, CallShape, OpAttributes, SparseAttentionCall, SparseAttentionError, assemble_call, describe_lengths,
-                   describe_shapes, new_rows)
 from sparse_attention_op.webgpu.executor import get_executor
 
 #: Domain of the bridge's op: onnxruntime-extensions' own, under which its library
@@ -61,8 +71,14 @@ SETTINGS_ATTRIBUTE = "sao_settings"  # SessionSettings.to_attribute()
 
 
 _ATTRIBUTES = (
-    ("num_heads", int), ("kv_num_heads", int), ("sparse_block_size", int), ("scale", float), ("do_rotary", int),
-    ("rotary_interleaved", int), (NODE_KEY_ATTRIBUTE, str), (SETTINGS_ATTRIBUTE, str),
+    ("num_heads", int),
+    ("kv_num_heads", int),
+    ("sparse_block_size", int),
+    ("scale", float),
+    ("do_rotary", int),
+    ("rotary_interleaved", int),
+    (NODE_KEY_ATTRIBUTE, str),
+    (SETTINGS_ATTRIBUTE, str),
 )
 _QUERY, _KEY, _VALUE, _PAST_KEY, _PAST_VALUE, _ROWS, _COLS, _TOTAL, _KEY_TOTALS, _COS, _SIN = range(len(INPUT_NAMES))
 _OPTIONAL = (_KEY, _VALUE, _COS, _SIN)
@@ -253,7 +269,10 @@ def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
         history = 0 if shape.is_prompt else shape.max_cache_len  # the whole pasts as they lie: the executor reads what it needs
         positions = shape.token_positions if rotary else None
         return assemble_call(
-            shape, query, key, value,
+            shape,
+            query,
+            key,
+            value,
             past_key[:, :, :history],
             past_value[:, :, :history],
             as_f32(tensors[_COS][positions]) if rotary else None,
@@ -269,12 +288,23 @@ def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
     if settings.kv_check == "fast" and known_layout and not shape.is_prompt:
         # A decode step that the node's step plan serves as it stands runs it straight from
         # these tensors (webgpu/step_plan.py); None: it takes the general call.
-        result = executor.replay(kernel.node_key, settings, shape, query, key, value, past_key, past_value,
-                                 tensors[_COS] if rotary else None, tensors[_SIN] if rotary else None, make_call,
-                                 output=direct, while_gpu_runs=while_gpu_runs)
+        result = executor.replay(
+            kernel.node_key,
+            settings,
+            shape,
+            query,
+            key,
+            value,
+            past_key,
+            past_value,
+            tensors[_COS] if rotary else None,
+            tensors[_SIN] if rotary else None,
+            make_call,
+            output=direct,
+            while_gpu_runs=while_gpu_runs,
+        )
     if result is None:
-        result = executor.run(make_call(), kernel.node_key, settings, reuse_host_arrays=True, output=direct,
-                              while_gpu_runs=while_gpu_runs)
+        result = executor.run(make_call(), kernel.node_key, settings, reuse_host_arrays=True, output=direct, while_gpu_runs=while_gpu_runs)
     outputs_start = time.perf_counter()
     if output is not None and direct is None:
         output[...] = result.output
@@ -295,8 +325,10 @@ def _float32(array):
 
 def _declaration(dtype: np.dtype) -> OpDeclaration:
     element = FLOAT16 if dtype == np.float16 else FLOAT
-    inputs = tuple(Slot(element if name in ("query", "key", "value", "past_key", "past_value", "cos_cache", "sin_cache") else INT32,
-                        optional=i in _OPTIONAL) for i, name in enumerate(INPUT_NAMES))
+    inputs = tuple(
+        Slot(element if name in ("query", "key", "value", "past_key", "past_value", "cos_cache", "sin_cache") else INT32, optional=i in _OPTIONAL)
+        for i, name in enumerate(INPUT_NAMES)
+    )
     outputs = (Slot(element), Slot(element, optional=True), Slot(element, optional=True))
     return OpDeclaration(OP_TYPES[dtype], inputs, outputs, _ATTRIBUTES)
 

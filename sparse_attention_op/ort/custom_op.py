@@ -38,8 +38,8 @@ import ctypes.util
 import functools
 import itertools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -177,7 +177,8 @@ class _Scratch(threading.local):
         self.value, self.info, self.count, self.data, self.shape, self.element = _P(), _P(), _SIZE(), _P(), _P(), ctypes.c_int()
         self.dims = (ctypes.c_int64 * _MAX_RANK)()
         self.value_address, self.info_address, self.count_address, self.data_address, self.shape_address, self.element_address = (
-            ctypes.addressof(x) for x in (self.value, self.info, self.count, self.data, self.shape, self.element))
+            ctypes.addressof(x) for x in (self.value, self.info, self.count, self.data, self.shape, self.element)
+        )
 
 
 _scratch = _Scratch()
@@ -366,8 +367,14 @@ _kernels: dict[int, tuple[str, object | None, dict[int, np.ndarray], _Api]] = {}
 _defined: dict[str, tuple] = {}
 
 
-def define(declaration: OpDeclaration, create: Callable[[dict, set], object],
-           compute: Callable[[object, KernelContext], None], library, *, rule_errors: tuple[type[BaseException], ...] = ()) -> None:
+def define(
+    declaration: OpDeclaration,
+    create: Callable[[dict, set], object],
+    compute: Callable[[object, KernelContext], None],
+    library,
+    *,
+    rule_errors: tuple[type[BaseException], ...] = (),
+) -> None:
     """Add an op to onnxruntime-extensions' library (``library``: its loaded ctypes handle),
     so that every session registering that library from now on runs it. ``create(attributes)``
     makes a node's kernel object; ``compute(kernel, context)`` runs one call and raises on a

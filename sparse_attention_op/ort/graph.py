@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Union
+from typing import Union
 
 import onnx
 from onnx import TensorProto, helper

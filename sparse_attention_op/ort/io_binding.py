@@ -9,7 +9,7 @@ read by this package's op, stay in host memory.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import onnx
@@ -82,5 +82,7 @@ def _check_arguments(session, caches, presents, outputs) -> None:
             raise KeyError(f"'{name}' is not an output of the session (outputs: {', '.join(output_names)})")
     for present, past in presents.items():
         if past not in caches:
-            raise KeyError(f"presents maps '{present}' to '{past}', which caches lacks (caches: {', '.join(caches) or 'none'}); "
-                           "a decoder names its own pairs, such as {'present.0.key': 'past_key_values.0.key'}")
+            raise KeyError(
+                f"presents maps '{present}' to '{past}', which caches lacks (caches: {', '.join(caches) or 'none'}); "
+                "a decoder names its own pairs, such as {'present.0.key': 'past_key_values.0.key'}"
+            )

@@ -10,28 +10,27 @@ alone.
 
 from __future__ import annotations
 
-import copy
 import os
 import uuid
 from pathlib import Path
-from typing import Union
 
 import onnx
 from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
+from sparse_attention_op.op.spec import FLOAT_INPUTS, INPUT_NAMES, OPTIONAL_INPUTS, OpAttributes, SparseAttentionError, check_layout
 from sparse_attention_op.ort.bridge import BRIDGE_DOMAIN, BRIDGE_FORMAT, OP_TYPES
-from sparse_attention_op.settings import SessionSettings
 from sparse_attention_op.ort.graph import ModelLike, all_graphs, constant_tensors, is_sparse_attention, load_model, node_attributes, tensor_types
 from sparse_attention_op.ort.rewrite import NodePlan, expand
-from sparse_attention_op.op.spec import DOMAIN, FLOAT_INPUTS, INPUT_NAMES, OPTIONAL_INPUTS, OP_TYPE, OpAttributes, SparseAttentionError, check_layout
+from sparse_attention_op.settings import SessionSettings
 
 _INT_INPUTS = [name for name in INPUT_NAMES if name not in FLOAT_INPUTS]
 #: The metadata entry of a prepared model that names its bridge format (bridge.BRIDGE_FORMAT).
 FORMAT_KEY = "sparse_attention_op.bridge_format"
 
 
-def prepare_model(model: ModelLike, *, session_token: str | None = None, kv_check: str = "exact", profile: bool | str = False,
-                  f16_cache: bool = True) -> onnx.ModelProto:
+def prepare_model(
+    model: ModelLike, *, session_token: str | None = None, kv_check: str = "exact", profile: bool | str = False, f16_cache: bool = True
+) -> onnx.ModelProto:
     """Return a copy of ``model`` whose SparseAttention nodes the bridge runs.
 
     ``session_token`` prefixes every node identity; each call without one draws a fresh
@@ -103,11 +102,13 @@ def check_not_prepared(model: onnx.ModelProto) -> None:
     if found is not None and found != BRIDGE_FORMAT:
         raise SparseAttentionError(
             f"the model was prepared by a sparse_attention_op with bridge format {found}; this version runs format "
-            f"{BRIDGE_FORMAT}: prepare the original model (the one with SparseAttention nodes) again")
+            f"{BRIDGE_FORMAT}: prepare the original model (the one with SparseAttention nodes) again"
+        )
     if found is not None:
         raise SparseAttentionError(
             "the model is prepared already (it holds the bridge's ops, which belong to the session or GenAI folder it "
-            "was prepared for): pass the original model, the one with SparseAttention nodes")
+            "was prepared for): pass the original model, the one with SparseAttention nodes"
+        )
 
 
 def _set_metadata(model: onnx.ModelProto, key: str, value: str) -> None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from sparse_attention_op.webgpu import host_threads
 from sparse_attention_op.op.spec import CallShape
+from sparse_attention_op.webgpu import host_threads
 
 
 def write_rows(present: np.ndarray, shape: CallShape, rows: np.ndarray) -> None:

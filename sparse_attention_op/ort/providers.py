@@ -77,7 +77,8 @@ def webgpu_plugin() -> WebGpuPlugin:
             raise ExecutionProviderError(
                 f"ORT's WebGPU plugin EP ({_plugin.version}) found no GPU adapter on this machine (it does not use software "
                 "Vulkan drivers such as lavapipe): run with ep='cpu' (--ep cpu), or on a machine with a GPU and its Vulkan, "
-                "Metal or D3D12 driver")
+                "Metal or D3D12 driver"
+            )
         return _plugin
 
 
@@ -89,7 +90,8 @@ def _register() -> WebGpuPlugin:
     if not hasattr(ort, "register_execution_provider_library"):
         raise ExecutionProviderError(
             f"onnxruntime {ort.__version__} cannot load plugin EPs: the WebGPU plugin EP needs onnxruntime >= {MINIMUM_ORT} "
-            "(pip install -U onnxruntime)")
+            "(pip install -U onnxruntime)"
+        )
     library = package.get_library_path()
     try:
         ort.register_execution_provider_library(WEBGPU_EP, library)
@@ -98,8 +100,8 @@ def _register() -> WebGpuPlugin:
         if "already registered" not in text:
             if "below the minimum required version" in text:
                 raise ExecutionProviderError(
-                    f"onnxruntime {ort.__version__} is too old for this WebGPU plugin EP, which needs >= {MINIMUM_ORT}: "
-                    "pip install -U onnxruntime") from None
+                    f"onnxruntime {ort.__version__} is too old for this WebGPU plugin EP, which needs >= {MINIMUM_ORT}: pip install -U onnxruntime"
+                ) from None
             raise ExecutionProviderError(f"ORT could not load its WebGPU plugin EP from {library}: {text}") from None
     devices = tuple(d for d in ort.get_ep_devices() if d.ep_name == WEBGPU_EP)
     return WebGpuPlugin(library, _version(package), devices)
@@ -145,10 +147,20 @@ def plugin_report() -> dict:
         plugin = webgpu_plugin()
     except ExecutionProviderError as error:
         installed = _plugin is not None
-        return {"installed": installed, "version": _plugin.version if installed else None,
-                "library": _plugin.library if installed else None, "devices": [], "problem": str(error)}
-    return {"installed": True, "version": plugin.version, "library": plugin.library,
-            "devices": [describe_device(d) for d in plugin.devices], "problem": None}
+        return {
+            "installed": installed,
+            "version": _plugin.version if installed else None,
+            "library": _plugin.library if installed else None,
+            "devices": [],
+            "problem": str(error),
+        }
+    return {
+        "installed": True,
+        "version": plugin.version,
+        "library": plugin.library,
+        "devices": [describe_device(d) for d in plugin.devices],
+        "problem": None,
+    }
 
 
 def describe_device(device) -> str:

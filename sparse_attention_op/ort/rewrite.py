@@ -16,8 +16,8 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from sparse_attention_op.ort.bridge import BRIDGE_DOMAIN, NODE_KEY_ATTRIBUTE, OP_TYPES, SETTINGS_ATTRIBUTE
 from sparse_attention_op.op.spec import OpAttributes
+from sparse_attention_op.ort.bridge import BRIDGE_DOMAIN, NODE_KEY_ATTRIBUTE, OP_TYPES, SETTINGS_ATTRIBUTE
 from sparse_attention_op.settings import SessionSettings
 
 
@@ -36,6 +36,11 @@ def expand(plan: NodePlan) -> onnx.NodeProto:
     """The bridge's node that replaces ``plan.node``."""
     node = plan.node
     return helper.make_node(
-        OP_TYPES[np.dtype(np.float16 if plan.float16 else np.float32)], list(node.input), list(node.output), name=node.name,
-        domain=BRIDGE_DOMAIN, **plan.attributes.node_attributes(), **{NODE_KEY_ATTRIBUTE: plan.node_key, SETTINGS_ATTRIBUTE: plan.settings.to_attribute()},
+        OP_TYPES[np.dtype(np.float16 if plan.float16 else np.float32)],
+        list(node.input),
+        list(node.output),
+        name=node.name,
+        domain=BRIDGE_DOMAIN,
+        **plan.attributes.node_attributes(),
+        **{NODE_KEY_ATTRIBUTE: plan.node_key, SETTINGS_ATTRIBUTE: plan.settings.to_attribute()},
     )

@@ -9,11 +9,11 @@ import weakref
 import onnxruntime as ort
 from onnxruntime_extensions import get_library_path
 
+from sparse_attention_op.op.spec import SparseAttentionError
 from sparse_attention_op.ort.bridge import forget_session, records, register
 from sparse_attention_op.ort.graph import ModelLike
 from sparse_attention_op.ort.model import load_for_session, prepare_model
 from sparse_attention_op.ort.providers import add_ep, require_ep
-from sparse_attention_op.op.spec import SparseAttentionError
 from sparse_attention_op.settings import SessionSettings
 
 #: Marks SessionOptions that already carry the extensions library: registering it twice on
@@ -51,7 +51,8 @@ def session_options(sess_options: ort.SessionOptions | None = None) -> ort.Sessi
     if options.execution_mode != ort.ExecutionMode.ORT_SEQUENTIAL:
         raise SparseAttentionError(
             f"sess_options.execution_mode is {options.execution_mode.name}: SparseAttention's nodes must run "
-            "on the thread that calls run, so only ORT_SEQUENTIAL (ONNX Runtime's default) is supported")
+            "on the thread that calls run, so only ORT_SEQUENTIAL (ONNX Runtime's default) is supported"
+        )
     register()
     try:
         options.get_session_config_entry(_REGISTERED_MARK)
@@ -185,8 +186,7 @@ def create_session(
         raise ValueError(f"pass either providers or ep={ep!r}, not both")
     source, external_folder = load_for_session(model)
     token = uuid.uuid4().hex
-    prepared = prepare_model(source, session_token=token, kv_check=settings.kv_check, profile=settings.profile,
-                             f16_cache=settings.f16_cache)
+    prepared = prepare_model(source, session_token=token, kv_check=settings.kv_check, profile=settings.profile, f16_cache=settings.f16_cache)
     options = session_options(sess_options)
     add_ep(options, ep, ep_options)
     if external_folder is not None:
@@ -207,4 +207,5 @@ def create_session(
         # The library registered on these options by the caller: ORT names only an op of it.
         raise SparseAttentionError(
             "sess_options already register onnxruntime-extensions' library (register_custom_ops_library), and "
-            "create_session registers it too: pass options without it") from error
+            "create_session registers it too: pass options without it"
+        ) from error

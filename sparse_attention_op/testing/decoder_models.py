@@ -44,21 +44,21 @@ from __future__ import annotations
 import json
 import os
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from functools import partial
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from sparse_attention_op.testing.graphs import finish_model
-from sparse_attention_op.testing.inputs import rotary_caches
 from sparse_attention_op.op.layouts import causal_mask, mask_to_csr, phi3_small_mask
 from sparse_attention_op.op.reference import sparse_attention_reference
 from sparse_attention_op.op.spec import DOMAIN, OP_TYPE
 from sparse_attention_op.ort.graph import node_attributes
+from sparse_attention_op.testing.graphs import finish_model
+from sparse_attention_op.testing.inputs import rotary_caches
 
 GQA_OP_TYPE = "GroupQueryAttention"
 DTYPES = {"float32": (np.float32, TensorProto.FLOAT), "float16": (np.float16, TensorProto.FLOAT16)}
@@ -112,8 +112,18 @@ class DecoderConfig:
     static_cache: int = 0  # rows every past and present declares; 0: the symbolic past/total lengths
 
     def validate(self) -> None:
-        positive = ("vocab_size", "hidden", "layers", "num_heads", "kv_num_heads", "head_size", "sparse_block_size",
-                    "local_blocks", "vert_stride", "max_position")
+        positive = (
+            "vocab_size",
+            "hidden",
+            "layers",
+            "num_heads",
+            "kv_num_heads",
+            "head_size",
+            "sparse_block_size",
+            "local_blocks",
+            "vert_stride",
+            "max_position",
+        )
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -155,12 +165,12 @@ class DecoderConfig:
         if self.weights == "float":
             return
         # Each matrix's input width K must be whole blocks: the drawn codes know no padding.
-        widths = {"hidden": self.hidden, "num_heads * head_size": self.num_heads * self.head_size,
-                  "intermediate (2 * hidden when 0)": self.mlp_width}
+        widths = {"hidden": self.hidden, "num_heads * head_size": self.num_heads * self.head_size, "intermediate (2 * hidden when 0)": self.mlp_width}
         for name, width in widths.items():
             if width % INT4_BLOCK_SIZE:
-                raise ValueError(f"DecoderConfig.{name} ({width}) must be a multiple of {INT4_BLOCK_SIZE} "
-                                 f"(the int4 block size) when weights is {self.weights!r}")
+                raise ValueError(
+                    f"DecoderConfig.{name} ({width}) must be a multiple of {INT4_BLOCK_SIZE} (the int4 block size) when weights is {self.weights!r}"
+                )
 
     @property
     def layouts(self) -> int:
@@ -204,9 +214,21 @@ def phi3_small_config(layers: int = 32, max_position: int = 8192, **overrides) -
     (seed, static_cache, ...) may be overridden by keyword.
     """
     shape = dict(
-        vocab_size=100352, hidden=4096, layers=layers, num_heads=32, kv_num_heads=8, head_size=128, sparse_block_size=64,
-        local_blocks=16, vert_stride=8, max_position=max_position, dense_every=2, dtype="float16", num_layout=0,
-        intermediate=14336, weights="int4",
+        vocab_size=100352,
+        hidden=4096,
+        layers=layers,
+        num_heads=32,
+        kv_num_heads=8,
+        head_size=128,
+        sparse_block_size=64,
+        local_blocks=16,
+        vert_stride=8,
+        max_position=max_position,
+        dense_every=2,
+        dtype="float16",
+        num_layout=0,
+        intermediate=14336,
+        weights="int4",
     )
     return DecoderConfig(**{**shape, **overrides})
 
@@ -217,12 +239,36 @@ def phi3_small_config(layers: int = 32, max_position: int = 8192, **overrides) -
 #: of 16 tokens with 2 local blocks make the sparsity bite after 32 tokens.
 BUNDLED_MODELS: dict[str, DecoderConfig] = {
     "phi3-small-tiny": DecoderConfig(
-        vocab_size=512, hidden=128, layers=4, num_heads=8, kv_num_heads=2, head_size=16, sparse_block_size=16,
-        local_blocks=2, vert_stride=4, max_position=512, dense_every=2, dtype="float32", seed=0, intermediate=256,
+        vocab_size=512,
+        hidden=128,
+        layers=4,
+        num_heads=8,
+        kv_num_heads=2,
+        head_size=16,
+        sparse_block_size=16,
+        local_blocks=2,
+        vert_stride=4,
+        max_position=512,
+        dense_every=2,
+        dtype="float32",
+        seed=0,
+        intermediate=256,
     ),
     "phi3-small-tiny-f16": DecoderConfig(
-        vocab_size=512, hidden=128, layers=4, num_heads=8, kv_num_heads=2, head_size=16, sparse_block_size=16,
-        local_blocks=2, vert_stride=4, max_position=512, dense_every=2, dtype="float16", seed=0, intermediate=256,
+        vocab_size=512,
+        hidden=128,
+        layers=4,
+        num_heads=8,
+        kv_num_heads=2,
+        head_size=16,
+        sparse_block_size=16,
+        local_blocks=2,
+        vert_stride=4,
+        max_position=512,
+        dense_every=2,
+        dtype="float16",
+        seed=0,
+        intermediate=256,
     ),
 }
 
@@ -334,8 +380,10 @@ def dequantize_int4(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """
     cols, blocks, half = packed.shape
     if half * 2 != INT4_BLOCK_SIZE or scales.shape != (cols, blocks):
-        raise ValueError(f"packed must be [N, K/{INT4_BLOCK_SIZE}, {INT4_BLOCK_SIZE // 2}] and scales [N, K/{INT4_BLOCK_SIZE}], "
-                         f"got {packed.shape} and {scales.shape}")
+        raise ValueError(
+            f"packed must be [N, K/{INT4_BLOCK_SIZE}, {INT4_BLOCK_SIZE // 2}] and scales [N, K/{INT4_BLOCK_SIZE}], "
+            f"got {packed.shape} and {scales.shape}"
+        )
     codes = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(cols, blocks, INT4_BLOCK_SIZE)
     values = (codes.astype(np.float64) - 8.0) * scales.astype(np.float64)[..., None]
     return values.reshape(cols, blocks * INT4_BLOCK_SIZE).T
@@ -438,10 +486,8 @@ def _quantized_plan(config: DecoderConfig) -> list[_Tensor]:
 def _drawn_matrix(config: DecoderConfig, name: str, matrix: _Matrix) -> list[_Tensor]:
     blocks = matrix.rows // INT4_BLOCK_SIZE
     return [
-        _Tensor(name + Q4_SUFFIX, (matrix.cols, blocks, INT4_BLOCK_SIZE // 2), np.dtype(np.uint8),
-                partial(_drawn_codes, config, name, matrix)),
-        _Tensor(name + SCALES_SUFFIX, (matrix.cols, blocks), np.dtype(DTYPES[config.dtype][0]),
-                partial(_drawn_scales, config, name, matrix)),
+        _Tensor(name + Q4_SUFFIX, (matrix.cols, blocks, INT4_BLOCK_SIZE // 2), np.dtype(np.uint8), partial(_drawn_codes, config, name, matrix)),
+        _Tensor(name + SCALES_SUFFIX, (matrix.cols, blocks), np.dtype(DTYPES[config.dtype][0]), partial(_drawn_scales, config, name, matrix)),
     ]
 
 
@@ -520,8 +566,17 @@ def _linear(g: _GraphBuilder, config: DecoderConfig, x: str, weight: str, matrix
     outputs = [output or f"{name}/output_0"]
     if config.weights == "float":
         return g.add("MatMul", [x, weight], name, outputs=outputs)[0]
-    return g.add("MatMulNBits", [x, weight + Q4_SUFFIX, weight + SCALES_SUFFIX], name + Q4_SUFFIX, DOMAIN, outputs=outputs,
-                 K=matrix.rows, N=matrix.cols, bits=4, block_size=INT4_BLOCK_SIZE)[0]
+    return g.add(
+        "MatMulNBits",
+        [x, weight + Q4_SUFFIX, weight + SCALES_SUFFIX],
+        name + Q4_SUFFIX,
+        DOMAIN,
+        outputs=outputs,
+        K=matrix.rows,
+        N=matrix.cols,
+        bits=4,
+        block_size=INT4_BLOCK_SIZE,
+    )[0]
 
 
 def _decoder_nodes(config: DecoderConfig) -> list[onnx.NodeProto]:
@@ -545,15 +600,27 @@ def _decoder_nodes(config: DecoderConfig) -> list[onnx.NodeProto]:
         past = [PAST_KEY % i, PAST_VALUE % i]
         if c.is_dense(i):
             attention = g.add(
-                GQA_OP_TYPE, [qkv, "", "", *past, seqlens_k, total, "cos_cache", "sin_cache"], f"{n}/attn/GroupQueryAttention",
-                DOMAIN, outputs=[f"{n}/attn/GroupQueryAttention/output_0", *present],
-                num_heads=c.num_heads, kv_num_heads=c.kv_num_heads, do_rotary=1, rotary_interleaved=0,
+                GQA_OP_TYPE,
+                [qkv, "", "", *past, seqlens_k, total, "cos_cache", "sin_cache"],
+                f"{n}/attn/GroupQueryAttention",
+                DOMAIN,
+                outputs=[f"{n}/attn/GroupQueryAttention/output_0", *present],
+                num_heads=c.num_heads,
+                kv_num_heads=c.kv_num_heads,
+                do_rotary=1,
+                rotary_interleaved=0,
             )[0]
         else:
             attention = g.add(
-                OP_TYPE, [qkv, "", "", *past, "block_row_indices", "block_col_indices", total, key_totals, "cos_cache", "sin_cache"],
-                f"{n}/attn/SparseAttention", DOMAIN, outputs=[f"{n}/attn/SparseAttention/output_0", *present],
-                num_heads=c.num_heads, kv_num_heads=c.kv_num_heads, sparse_block_size=c.sparse_block_size, do_rotary=1,
+                OP_TYPE,
+                [qkv, "", "", *past, "block_row_indices", "block_col_indices", total, key_totals, "cos_cache", "sin_cache"],
+                f"{n}/attn/SparseAttention",
+                DOMAIN,
+                outputs=[f"{n}/attn/SparseAttention/output_0", *present],
+                num_heads=c.num_heads,
+                kv_num_heads=c.kv_num_heads,
+                sparse_block_size=c.sparse_block_size,
+                do_rotary=1,
                 rotary_interleaved=0,
             )[0]
         projected = _linear(g, c, attention, o_w, matrices[o_w], f"{n}/attn/o_proj/MatMul")
@@ -565,7 +632,7 @@ def _decoder_nodes(config: DecoderConfig) -> list[onnx.NodeProto]:
         down = _linear(g, c, activated, down_w, matrices[down_w], f"{n}/mlp/down_proj/MatMul")
         x = g.one("Add", [x, down], f"{n}/mlp/residual/Add")
     normed = _norm(g, c, x, "model.norm", "/model/norm/LayerNorm")
-    (head_name, head), = _head_matrix(c).items()
+    ((head_name, head),) = _head_matrix(c).items()
     _linear(g, c, normed, head_name, head, "/lm_head/MatMul", output=LOGITS)
     return g.nodes
 
@@ -693,8 +760,9 @@ _PARTIAL = ".partial"  # files being written carry this suffix until the folder 
 Progress = Callable[[str, int], None]  # called after each initializer is written: (name, bytes)
 
 
-def write_model_folder(config: DecoderConfig, folder: str | os.PathLike, filename: str = "model.onnx", *,
-                       external_data: bool = False, progress: Progress | None = None) -> Path:
+def write_model_folder(
+    config: DecoderConfig, folder: str | os.PathLike, filename: str = "model.onnx", *, external_data: bool = False, progress: Progress | None = None
+) -> Path:
     """Write ``folder/filename`` and ``folder/genai_config.json``; return the model's path.
 
     ``external_data=True`` writes every initializer of 1 KB or more to ``filename + ".data"``
@@ -840,9 +908,23 @@ def decoder_reference(model: onnx.ModelProto, input_ids, lengths) -> np.ndarray:
         head_size = qkv.shape[-1] // (num_heads + 2 * kv_heads)
         cache = np.zeros((batch, kv_heads, seq, head_size))
         attention, _, _ = sparse_attention_reference(
-            qkv, None, None, cache, cache, layout_rows, layout_cols, total, key_totals, cos, sin,
-            num_heads=num_heads, kv_num_heads=kv_heads, sparse_block_size=block, scale=float(attrs.get("scale", 0.0)),
-            do_rotary=attrs.get("do_rotary", 0), rotary_interleaved=attrs.get("rotary_interleaved", 0),
+            qkv,
+            None,
+            None,
+            cache,
+            cache,
+            layout_rows,
+            layout_cols,
+            total,
+            key_totals,
+            cos,
+            sin,
+            num_heads=num_heads,
+            kv_num_heads=kv_heads,
+            sparse_block_size=block,
+            scale=float(attrs.get("scale", 0.0)),
+            do_rotary=attrs.get("do_rotary", 0),
+            rotary_interleaved=attrs.get("rotary_interleaved", 0),
         )
         x = x + attention @ weights[f"{p}.attn.o_proj.weight"]
         normed = _norm_reference(x, weights, f"{p}.post_attention_layernorm", nodes[f"{n}/post_attention_layernorm/LayerNorm"])

@@ -23,18 +23,18 @@ A cache's rows default to past + seq, the fewest the attention ops accept.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
 
 import numpy as np
 import onnx
 from onnx import helper
 
-from sparse_attention_op.testing.inputs import rotary_caches
 from sparse_attention_op.op.layouts import mask_to_csr, phi3_small_mask
-from sparse_attention_op.ort.graph import declared_head_size, declared_tensors, is_group_query_attention, is_sparse_attention, node_attributes
 from sparse_attention_op.op.spec import INPUT_NAMES
+from sparse_attention_op.ort.graph import declared_head_size, declared_tensors, is_group_query_attention, is_sparse_attention, node_attributes
+from sparse_attention_op.testing.inputs import rotary_caches
 
 #: GroupQueryAttention's input slots that matter here (ORT contrib schema).
 _GQA_SLOTS = {3: "past_key", 4: "past_value", 5: "seqlens_k", 6: "total_sequence_length"}
@@ -119,8 +119,13 @@ def random_feeds(model: onnx.ModelProto, settings: FeedSettings, vocab_size: int
 
 def _check_dim_names(graph: onnx.GraphProto, settings: FeedSettings) -> None:
     """A --dim the graph inputs never name would be ignored: a typo, most likely."""
-    named = {dim.dim_param for graph_input in graph.input if graph_input.type.tensor_type.HasField("shape")
-             for dim in graph_input.type.tensor_type.shape.dim if dim.dim_param}
+    named = {
+        dim.dim_param
+        for graph_input in graph.input
+        if graph_input.type.tensor_type.HasField("shape")
+        for dim in graph_input.type.tensor_type.shape.dim
+        if dim.dim_param
+    }
     unknown = sorted(set(settings.dims) - named)
     if unknown:
         listed = ", ".join(sorted(named)) or "none"
@@ -221,15 +226,18 @@ def _shape(graph_input: onnx.ValueInfoProto, use: _Use | None, settings: FeedSet
             shape.append(dim.dim_value)
             cache_rows_axis = use is not None and use.slot in ("past_key", "past_value") and axis == 2
             if cache_rows_axis and settings.capacity not in (None, dim.dim_value):  # None: --capacity not given
-                notes.append(f"--capacity {settings.capacity} does not apply to '{graph_input.name}': the model fixes "
-                             f"its axis {axis} at {dim.dim_value} rows")
+                notes.append(
+                    f"--capacity {settings.capacity} does not apply to '{graph_input.name}': the model fixes its axis {axis} at {dim.dim_value} rows"
+                )
             continue
         name = dim.dim_param if dim is not None else ""
         if name in settings.dims:
             shape.append(settings.dims[name])
             if role_sizes.get(axis) not in (None, settings.dims[name]):
-                notes.append(f"--dim {name}={settings.dims[name]} sizes axis {axis} of '{graph_input.name}', where the other "
-                             f"options would give {role_sizes[axis]}")
+                notes.append(
+                    f"--dim {name}={settings.dims[name]} sizes axis {axis} of '{graph_input.name}', where the other "
+                    f"options would give {role_sizes[axis]}"
+                )
         elif role_sizes.get(axis) is not None:
             shape.append(role_sizes[axis])
         elif _by_name(name, settings) is not None:
@@ -243,8 +251,20 @@ def _shape(graph_input: onnx.ValueInfoProto, use: _Use | None, settings: FeedSet
     return tuple(shape)
 
 
-_SLOT_RANKS = {"query": 3, "key": 3, "value": 3, "past_key": 4, "past_value": 4, "block_row_indices": 2, "block_col_indices": 2,
-               "total_sequence_length": 1, "key_total_sequence_lengths": 1, "cos_cache": 2, "sin_cache": 2, "seqlens_k": 1}
+_SLOT_RANKS = {
+    "query": 3,
+    "key": 3,
+    "value": 3,
+    "past_key": 4,
+    "past_value": 4,
+    "block_row_indices": 2,
+    "block_col_indices": 2,
+    "total_sequence_length": 1,
+    "key_total_sequence_lengths": 1,
+    "cos_cache": 2,
+    "sin_cache": 2,
+    "seqlens_k": 1,
+}
 
 
 def _by_name(name: str, settings: FeedSettings) -> int | None:

@@ -7,7 +7,7 @@ refuses (docs/design.md section 2).
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -64,7 +64,9 @@ def sparse_attention_model(
         if name in constants:
             initializers.append(numpy_helper.from_array(array.astype(dtype), name))
         else:
-            inputs.append(declared(name, dtype, array.ndim) if declare_ranks else helper.make_tensor_value_info(name, _ELEM_TYPES[np.dtype(dtype)], None))
+            inputs.append(
+                declared(name, dtype, array.ndim) if declare_ranks else helper.make_tensor_value_info(name, _ELEM_TYPES[np.dtype(dtype)], None)
+            )
     while node_inputs and not node_inputs[-1]:
         node_inputs.pop()
     node = helper.make_node(OP_TYPE, node_inputs, list(OUTPUT_NAMES), name=node_name, domain=DOMAIN, **dict(attributes))

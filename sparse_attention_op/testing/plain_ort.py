@@ -8,13 +8,14 @@ way ORT GenAI runs decoders. The caller's arrays are never written.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 
 from sparse_attention_op.ort.graph import is_group_query_attention, is_sparse_attention
+
 
 def shared_pairs(model: onnx.ModelProto) -> dict[str, str]:
     """present output name -> past input name, for every attention node whose past is a graph

@@ -25,15 +25,13 @@ per node for what must survive between calls.
 from __future__ import annotations
 
 import functools
-
 from typing import NamedTuple
 
 import numpy as np
 import wgpu
 
 from sparse_attention_op.settings import environment_int
-from sparse_attention_op.webgpu import host_threads
-from sparse_attention_op.webgpu import recording
+from sparse_attention_op.webgpu import host_threads, recording
 from sparse_attention_op.webgpu.mapping import mapped
 from sparse_attention_op.webgpu.programs import BufferRange
 
@@ -136,7 +134,7 @@ class Upload:
         self.nbytes += array.nbytes
         return offset
 
-    def sections(self, arrays: list[np.ndarray], layout: "StepLayout") -> None:
+    def sections(self, arrays: list[np.ndarray], layout: StepLayout) -> None:
         """Every section at once, where ``layout`` places them (``arrays`` in its order, each
         of its size): a call's inputs without working out their offsets again."""
         placed = self._sections
@@ -274,8 +272,9 @@ class Download:
 
     def _copy_chunk(self, commands, number: int) -> None:
         pieces = self._chunks[number]
-        buffer = self._buffers[number % 2] = self._pool.get(f"readback.{number % 2}", used_bytes(pieces),
-                                                            wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
+        buffer = self._buffers[number % 2] = self._pool.get(
+            f"readback.{number % 2}", used_bytes(pieces), wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
+        )
         # Pieces laid out in their source buffer as they are in the read-back buffer (the
         # sections of one results buffer) move in one copy.
         runs = []

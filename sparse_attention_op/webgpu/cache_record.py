@@ -298,8 +298,14 @@ class CacheRecord:
             self.valid[b] = past
         return plans
 
-    def append(self, past_lengths: tuple[int, ...], end_rows: tuple[int, ...], new_key: np.ndarray, new_value: np.ndarray,
-               value_terms: list[np.ndarray] | None = None) -> None:
+    def append(
+        self,
+        past_lengths: tuple[int, ...],
+        end_rows: tuple[int, ...],
+        new_key: np.ndarray,
+        new_value: np.ndarray,
+        value_terms: list[np.ndarray] | None = None,
+    ) -> None:
         """Record the rows a call wrote: rows [past, end) of each batch row (a prompt's
         padding rows reach the cache too, but they are not history, so not recorded).
         ``value_terms``: :meth:`row_terms` of ``new_value``, worked out ahead (while the GPU
@@ -333,8 +339,9 @@ class CacheRecord:
     def _assert_describes(self, past_lengths) -> None:
         """append()'s precondition: the record holds exactly each batch row's past (unlike
         holds_lengths, a row starting afresh must have been reset to 0 first)."""
-        assert len(past_lengths) == len(self.valid) and all(int(held) == past for held, past in zip(self.valid, past_lengths)), \
+        assert len(past_lengths) == len(self.valid) and all(int(held) == past for held, past in zip(self.valid, past_lengths)), (
             "the record must describe the call's past before rows are appended"
+        )
 
     def _keep_back(self, past: tuple[int, ...], new_key: np.ndarray, new_value: np.ndarray) -> None:
         """append() of a decode step, its rows kept for a later flush(). Plain ints where it
@@ -353,13 +360,21 @@ class CacheRecord:
         self._pending_rows = count + 1
         self.valid += 1
 
-    def _add_rows(self, past_lengths: tuple[int, ...], end_rows: tuple[int, ...], new_key: np.ndarray, new_value: np.ndarray,
-                  value_terms: list[np.ndarray] | None = None) -> None:
+    def _add_rows(
+        self,
+        past_lengths: tuple[int, ...],
+        end_rows: tuple[int, ...],
+        new_key: np.ndarray,
+        new_value: np.ndarray,
+        value_terms: list[np.ndarray] | None = None,
+    ) -> None:
         """The digests of rows [past, end) of each batch row, into the table (``valid`` is the caller's)."""
         c = self.chunk_rows
         self._reserve(max(end_rows, default=0))
-        terms_of = {"key": self.row_terms(past_lengths, end_rows, new_key),
-                    "value": value_terms if value_terms is not None else self.row_terms(past_lengths, end_rows, new_value)}
+        terms_of = {
+            "key": self.row_terms(past_lengths, end_rows, new_key),
+            "value": value_terms if value_terms is not None else self.row_terms(past_lengths, end_rows, new_value),
+        }
         for b, past in enumerate(past_lengths):
             first = past // c
             for name in ("key", "value"):

@@ -9,7 +9,6 @@ wgpu's own ``WGPU_BACKEND_TYPE`` still restricts which backends are enumerated.
 
 from __future__ import annotations
 
-
 from dataclasses import dataclass
 
 import wgpu
@@ -92,10 +91,14 @@ def no_adapter_reason() -> str:
     if wanted:
         present = [describe(a) for a in list_adapters(chosen_by_environment=False)]
         if present:
-            return (f"{environment_name(ADAPTER_ENV)}={wanted!r} matches none of wgpu's adapters ({'; '.join(present)}): "
-                    "unset it, or set it to part of one of those names")
-    return ("wgpu found no GPU adapter. On a machine without a GPU install Mesa's software Vulkan driver "
-            "(Debian/Ubuntu: apt-get install mesa-vulkan-drivers), or run `make setup`")
+            return (
+                f"{environment_name(ADAPTER_ENV)}={wanted!r} matches none of wgpu's adapters ({'; '.join(present)}): "
+                "unset it, or set it to part of one of those names"
+            )
+    return (
+        "wgpu found no GPU adapter. On a machine without a GPU install Mesa's software Vulkan driver "
+        "(Debian/Ubuntu: apt-get install mesa-vulkan-drivers), or run `make setup`"
+    )
 
 
 def _create_context() -> GpuContext:

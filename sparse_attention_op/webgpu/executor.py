@@ -32,8 +32,8 @@ import dataclasses
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import wgpu
@@ -152,9 +152,16 @@ class WebGPUExecutor:
     def knows_layout(self, node_key: str) -> bool:
         return node_key in self._layouts
 
-    def run(self, call: SparseAttentionCall, node_key: str = "default", settings: SessionSettings = DEFAULT_SETTINGS,
-            *, reuse_host_arrays: bool = False, output: np.ndarray | None = None,
-            while_gpu_runs: Callable[[], None] | None = None) -> CallResult:
+    def run(
+        self,
+        call: SparseAttentionCall,
+        node_key: str = "default",
+        settings: SessionSettings = DEFAULT_SETTINGS,
+        *,
+        reuse_host_arrays: bool = False,
+        output: np.ndarray | None = None,
+        while_gpu_runs: Callable[[], None] | None = None,
+    ) -> CallResult:
         """Execute one call: the output, and the rotated new key rows when rotary is on.
 
         Without history rows in the call, the node's cache on this thread must already hold
@@ -176,10 +183,23 @@ class WebGPUExecutor:
         result.stats.seconds = time.perf_counter() - start
         return result
 
-    def replay(self, node_key: str, settings: SessionSettings, shape: CallShape, query: np.ndarray, key: np.ndarray | None,
-               value: np.ndarray | None, past_key: np.ndarray, past_value: np.ndarray, cos_table: np.ndarray | None,
-               sin_table: np.ndarray | None, make_call: Callable[[], SparseAttentionCall], *, output: np.ndarray | None = None,
-               while_gpu_runs: Callable[[], None] | None = None) -> CallResult | None:
+    def replay(
+        self,
+        node_key: str,
+        settings: SessionSettings,
+        shape: CallShape,
+        query: np.ndarray,
+        key: np.ndarray | None,
+        value: np.ndarray | None,
+        past_key: np.ndarray,
+        past_value: np.ndarray,
+        cos_table: np.ndarray | None,
+        sin_table: np.ndarray | None,
+        make_call: Callable[[], SparseAttentionCall],
+        *,
+        output: np.ndarray | None = None,
+        while_gpu_runs: Callable[[], None] | None = None,
+    ) -> CallResult | None:
         """A fast-check decode call run by its node's step plan straight from the operator's
         tensors, or None where the plan does not serve it (nothing done): the caller then
         runs it (:meth:`run`, which leaves the plan for the next call). The inputs are the
@@ -264,7 +284,13 @@ class WebGPUExecutor:
     def _fits(state: NodeState, shape: CallShape, dtype, float16_storage: bool) -> bool:
         cache = state.cache
         return (cache.batch, cache.kv_heads, cache.head_size, cache.max_rows, cache.dtype, state.float16_storage) == (
-            shape.batch_size, shape.attributes.kv_num_heads, shape.head_size, shape.max_cache_len, np.dtype(dtype), float16_storage)
+            shape.batch_size,
+            shape.attributes.kv_num_heads,
+            shape.head_size,
+            shape.max_cache_len,
+            np.dtype(dtype),
+            float16_storage,
+        )
 
     def _state(self, state_key, shape: CallShape, dtype, float16_storage: bool) -> NodeState:
         state = self._states.get(state_key)
@@ -273,8 +299,16 @@ class WebGPUExecutor:
             if state is not None:
                 state.release()
             device = self.context.device
-            cache = ResidentCache(device, shape.batch_size, shape.attributes.kv_num_heads, shape.head_size, shape.max_cache_len, dtype,
-                                  self.context.max_binding_bytes, record_itemsize=model_itemsize(float16_storage))
+            cache = ResidentCache(
+                device,
+                shape.batch_size,
+                shape.attributes.kv_num_heads,
+                shape.head_size,
+                shape.max_cache_len,
+                dtype,
+                self.context.max_binding_bytes,
+                record_itemsize=model_itemsize(float16_storage),
+            )
             state = self._states[state_key] = NodeState(cache, BufferPool(device, self.context.max_binding_bytes), float16_storage)
         return state
 
@@ -311,7 +345,9 @@ class WebGPUExecutor:
         }
         for name, nbytes in sizes.items():
             if nbytes > limit:
-                raise SparseAttentionError(f"SparseAttention input '{name}': needs a {nbytes}-byte GPU buffer, more than this adapter binds ({limit} bytes)")
+                raise SparseAttentionError(
+                    f"SparseAttention input '{name}': needs a {nbytes}-byte GPU buffer, more than this adapter binds ({limit} bytes)"
+                )
         if not dispatch.limits_ok:
             raise SparseAttentionError("SparseAttention input 'query': batch, heads or sequence exceed the GPU's dispatch limits")
 
@@ -355,11 +391,21 @@ class WebGPUExecutor:
             return None
         past, cache = shape.past_lengths, state.cache
         layout = self._layouts.get(node_key)
-        return plan if (layout is not None and state.uploaded_layout is layout and min(past) > 0 and shape.rows_written <= cache.rows
-                        and cache.record.holds_lengths(past)) else None
+        return (
+            plan
+            if (
+                layout is not None
+                and state.uploaded_layout is layout
+                and min(past) > 0
+                and shape.rows_written <= cache.rows
+                and cache.record.holds_lengths(past)
+            )
+            else None
+        )
 
-    def _step_plan(self, state: NodeState, shape: CallShape, settings: SessionSettings, dispatch: DispatchFacts, probing: bool,
-                   layout_buffer) -> StepPlan:
+    def _step_plan(
+        self, state: NodeState, shape: CallShape, settings: SessionSettings, dispatch: DispatchFacts, probing: bool, layout_buffer
+    ) -> StepPlan:
         """The node's step plan for this call: the one it holds while its key holds, else a new one."""
         plan = state.step_plan
         if plan is None or plan.key != self._plan_key(state, shape, settings, dispatch.route.splits, probing):
@@ -367,8 +413,9 @@ class WebGPUExecutor:
             plan = state.step_plan = self._build_plan(state, shape, settings, dispatch, probing, layout_buffer)
         return plan
 
-    def _build_plan(self, state: NodeState, shape: CallShape, settings: SessionSettings, dispatch: DispatchFacts, probing: bool,
-                    layout_buffer) -> StepPlan:
+    def _build_plan(
+        self, state: NodeState, shape: CallShape, settings: SessionSettings, dispatch: DispatchFacts, probing: bool, layout_buffer
+    ) -> StepPlan:
         """Everything a call of this key works out: its input and result sections in their
         buffers, the launches on them (with the GPU's fast check first when it probes), the
         read-back and the host arrays that receive it. The key is taken last, after every
@@ -398,9 +445,21 @@ class WebGPUExecutor:
         packed = self._packing(layout.input_bytes) if layout.input_bytes <= min(buffers.PACK_BYTES, buffers.STAGING_BYTES) else None
         launches = self._launches(state, dispatches)
         replayable = probing and shape.seq_len == 1 and packed is not None and readback is not None and not self._timed(settings)
-        return StepPlan(key=self._plan_key(state, shape, settings, route.splits, probing), route=route, layout=layout, sections=sections,
-                        launches=launches, inputs=inputs, results=results_buffer, readback=readback, host_results=host_results,
-                        rotary=shape.attributes.do_rotary, probes=probes, packed=packed, replayable=replayable)
+        return StepPlan(
+            key=self._plan_key(state, shape, settings, route.splits, probing),
+            route=route,
+            layout=layout,
+            sections=sections,
+            launches=launches,
+            inputs=inputs,
+            results=results_buffer,
+            readback=readback,
+            host_results=host_results,
+            rotary=shape.attributes.do_rotary,
+            probes=probes,
+            packed=packed,
+            replayable=replayable,
+        )
 
     def _launches(self, state: NodeState, dispatches: list[Dispatch]) -> list[Launch]:
         """The dispatches ready to record: their pipelines, and bind groups over their buffers
@@ -424,8 +483,15 @@ class WebGPUExecutor:
         return launches
 
     # -- the general call -------------------------------------------------------------
-    def _run_call(self, call: SparseAttentionCall, node_key: str, settings: SessionSettings, reuse_host_arrays: bool,
-                  output: np.ndarray | None, while_gpu_runs: Callable[[], None] | None) -> CallResult:
+    def _run_call(
+        self,
+        call: SparseAttentionCall,
+        node_key: str,
+        settings: SessionSettings,
+        reuse_host_arrays: bool,
+        output: np.ndarray | None,
+        while_gpu_runs: Callable[[], None] | None,
+    ) -> CallResult:
         """run() under the executor's lock."""
         shape = call.shape
         layout = self._layout_plan(call, node_key)
@@ -443,8 +509,9 @@ class WebGPUExecutor:
             return self._again_with_exact_check(call, node_key, settings, reuse_host_arrays, output)
         return result
 
-    def _again_with_exact_check(self, call: SparseAttentionCall, node_key: str, settings: SessionSettings, reuse_host_arrays: bool,
-                                output: np.ndarray | None) -> CallResult:
+    def _again_with_exact_check(
+        self, call: SparseAttentionCall, node_key: str, settings: SessionSettings, reuse_host_arrays: bool, output: np.ndarray | None
+    ) -> CallResult:
         """A call whose probed row differed from the cache (the GPU's fast check, in a general
         call or a replay): its output used a stale cache, so it runs again with the history
         compared in full. Its own rows land in the cache again; the caller's host work that
@@ -453,8 +520,17 @@ class WebGPUExecutor:
         result.stats.probes_differed = True
         return result
 
-    def _execute(self, call: SparseAttentionCall, state: NodeState, layout: BlockPlan, settings: SessionSettings, dispatch: DispatchFacts,
-                 reuse_host_arrays: bool, output: np.ndarray | None, while_gpu_runs: Callable[[], None] | None) -> CallResult | None:
+    def _execute(
+        self,
+        call: SparseAttentionCall,
+        state: NodeState,
+        layout: BlockPlan,
+        settings: SessionSettings,
+        dispatch: DispatchFacts,
+        reuse_host_arrays: bool,
+        output: np.ndarray | None,
+        while_gpu_runs: Callable[[], None] | None,
+    ) -> CallResult | None:
         """One call the general way: the cache brought up to date, the node's plan (built anew
         where its key changed) run with the call's tensors. None where a probed row differed."""
         shape = call.shape
@@ -469,8 +545,9 @@ class WebGPUExecutor:
         plan = self._step_plan(state, shape, settings, dispatch, probing, layout_buffer)
         plan.write_inputs(_call_inputs(call, plan.probes), upload)
         phases["prepare"] = time.perf_counter() - tick
-        result = self._run_plan(state, plan, shape, call.query, call.key, call.value, upload, output, reuse_host_arrays, while_gpu_runs,
-                                settings, phases)
+        result = self._run_plan(
+            state, plan, shape, call.query, call.key, call.value, upload, output, reuse_host_arrays, while_gpu_runs, settings, phases
+        )
         if result is not None:
             result.stats.history_rows_compared, result.stats.history_rows_uploaded = compared, uploaded
         return result
@@ -506,9 +583,21 @@ class WebGPUExecutor:
         return buffer
 
     # -- running a plan ---------------------------------------------------------------
-    def _run_plan(self, state: NodeState, plan: StepPlan, shape: CallShape, query, key, value, upload: Upload | None,
-                  output: np.ndarray | None, reuse_host_arrays: bool, while_gpu_runs: Callable[[], None] | None,
-                  settings: SessionSettings | None, phases: dict) -> CallResult | None:
+    def _run_plan(
+        self,
+        state: NodeState,
+        plan: StepPlan,
+        shape: CallShape,
+        query,
+        key,
+        value,
+        upload: Upload | None,
+        output: np.ndarray | None,
+        reuse_host_arrays: bool,
+        while_gpu_runs: Callable[[], None] | None,
+        settings: SessionSettings | None,
+        phases: dict,
+    ) -> CallResult | None:
         """One call by its plan, its inputs written (``query``, ``key``, ``value``: its tensors,
         whose new rows the record learns): one submit, the caller's host work while the GPU
         runs, the wait and the results, then the record. ``settings`` (None: never profiled)
@@ -552,8 +641,9 @@ class WebGPUExecutor:
         upload_bytes = (plan.upload_bytes if plan.packed is not None else 0) + (upload.nbytes if upload is not None else 0)
         return CallResult(arrays[0], new_key, CallStats(gpu_seconds=gpu_seconds, upload_bytes=upload_bytes, phases=phases))
 
-    def _submit(self, plan: StepPlan, upload: Upload | None, arrays: list[np.ndarray], timer: _Timestamps | None,
-                settings: SessionSettings | None) -> Download | None:
+    def _submit(
+        self, plan: StepPlan, upload: Upload | None, arrays: list[np.ndarray], timer: _Timestamps | None, settings: SessionSettings | None
+    ) -> Download | None:
         """The call's one command buffer, submitted: the ``upload``, the packed inputs, every
         launch (timed by ``timer``), the read-back copy. Returns the chunked read-back of
         results larger than a chunk (None: the plan's one copy)."""
@@ -624,8 +714,9 @@ class _Timestamps:
 
 def _check_output(output: np.ndarray | None, shape: CallShape) -> None:
     """run()'s and replay()'s ``output``: None, or a writable C-contiguous float32 array of the output's shape."""
-    if output is not None and (output.shape != shape.output_shape or output.dtype != np.float32
-                               or not output.flags.c_contiguous or not output.flags.writeable):
+    if output is not None and (
+        output.shape != shape.output_shape or output.dtype != np.float32 or not output.flags.c_contiguous or not output.flags.writeable
+    ):
         raise ValueError(f"output must be a writable C-contiguous float32 array of shape {shape.output_shape}")
 
 
@@ -664,8 +755,9 @@ class _DroppedOnFailure:
             return False
         self.executor._drop(self.state_key)
         if issubclass(kind, wgpu.GPUError):
-            raise GpuExecutionError(f"SparseAttention node '{self.state_key[0]}' failed on {self.executor.context.description}: "
-                                    f"{kind.__name__}: {error}") from error
+            raise GpuExecutionError(
+                f"SparseAttention node '{self.state_key[0]}' failed on {self.executor.context.description}: {kind.__name__}: {error}"
+            ) from error
         return False  # a host-side fault: reported as it is
 
 

@@ -11,8 +11,8 @@ Which attention pass a call takes (:class:`Route`) is worked out once per call
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from sparse_attention_op.op.spec import CallShape
 from sparse_attention_op.webgpu.programs import MAX_WORKGROUPS_PER_DIM, Binding, BufferRange, Dispatch, Program
@@ -75,8 +75,13 @@ def bind(label: str, program: Program, resources: Mapping[str, BufferRange], uni
 def _attention_reads(query: str, cache: CacheFormat, writes_cache: bool = False) -> tuple[Binding, ...]:
     """What every attention pass reads: its queries (by name), the cache (also written by a
     pass that stores the call's rows), each row's past and the layout."""
-    return (Binding(query, VEC4), Binding("key_cache", cache.vec, writable=writes_cache), Binding("value_cache", cache.vec, writable=writes_cache),
-            Binding("row_past", "u32"), Binding("block_plan", "u32"))
+    return (
+        Binding(query, VEC4),
+        Binding("key_cache", cache.vec, writable=writes_cache),
+        Binding("value_cache", cache.vec, writable=writes_cache),
+        Binding("row_past", "u32"),
+        Binding("block_plan", "u32"),
+    )
 
 
 def _rotary(shape: CallShape) -> tuple[tuple, tuple[Binding, ...]]:
@@ -125,8 +130,11 @@ def _new_row_uniforms(shape: CallShape) -> dict:
     or the K and V heads of the packed query's rows."""
     attrs, head_vec = shape.attributes, shape.head_size // 4
     if shape.packed_qkv:
-        return dict(src_row_vec=shape.query_hidden // 4, key_offset_vec=attrs.num_heads * head_vec,
-                    value_offset_vec=(attrs.num_heads + attrs.kv_num_heads) * head_vec)
+        return dict(
+            src_row_vec=shape.query_hidden // 4,
+            key_offset_vec=attrs.num_heads * head_vec,
+            value_offset_vec=(attrs.num_heads + attrs.kv_num_heads) * head_vec,
+        )
     return dict(src_row_vec=attrs.kv_num_heads * head_vec, key_offset_vec=0, value_offset_vec=0)
 
 
@@ -142,14 +150,20 @@ def kv_append(shape: CallShape, tuning: Tuning, cache: CacheFormat, resources: M
     program = Program(
         template="kv_append.wgsl.jinja",
         bindings=_new_row_io(shape, cache) + (Binding("row_past", "u32"),) + rotary_bindings,
-        uniforms=(("count", "u32"), ("seq_len", "u32"), ("kv_num_heads", "u32"), ("cache_rows", "u32")) + _NEW_ROW_UNIFORMS
-                 + (("rotary_half", "u32"),),
-        constants=(("head_size", shape.head_size), ("workgroup_size", tuning.append_workgroup)) + _new_row_constants(shape, cache)
-                  + rotary_constants,
+        uniforms=(("count", "u32"), ("seq_len", "u32"), ("kv_num_heads", "u32"), ("cache_rows", "u32"))
+        + _NEW_ROW_UNIFORMS
+        + (("rotary_half", "u32"),),
+        constants=(("head_size", shape.head_size), ("workgroup_size", tuning.append_workgroup)) + _new_row_constants(shape, cache) + rotary_constants,
     )
     count = shape.batch_size * attrs.kv_num_heads * shape.seq_len * head_vec
-    uniforms = dict(count=count, seq_len=shape.seq_len, kv_num_heads=attrs.kv_num_heads, cache_rows=cache.rows,
-                    rotary_half=shape.rotary_dim // 2, **_new_row_uniforms(shape))
+    uniforms = dict(
+        count=count,
+        seq_len=shape.seq_len,
+        kv_num_heads=attrs.kv_num_heads,
+        cache_rows=cache.rows,
+        rotary_half=shape.rotary_dim // 2,
+        **_new_row_uniforms(shape),
+    )
     return bind("kv_append", program, resources, uniforms, _fold(-(-count // tuning.append_workgroup)))
 
 
@@ -178,7 +192,8 @@ def attention(shape: CallShape, tuning: Tuning, cache: CacheFormat, resources: M
             ("workgroup_size", tuning.attention_workgroup),
             ("q_tile", query_tile),
             ("value_parts", value_parts(tuning.attention_workgroup, shape.head_size)),
-        ) + rotary_constants,
+        )
+        + rotary_constants,
     )
     uniforms = dict(
         seq_len=shape.seq_len,
@@ -209,26 +224,46 @@ def query_prep(shape: CallShape, tuning: Tuning, resources: Mapping[str, BufferR
     program = Program(
         template="query_prep.wgsl.jinja",
         bindings=(Binding("query", VEC4), Binding("row_past", "u32"), Binding("prepared_query", VEC4, writable=True)) + rotary_bindings,
-        uniforms=(("count", "u32"), ("seq_len", "u32"), ("num_heads", "u32"), ("query_row_vec", "u32"),
-                  ("rotary_half", "u32"), ("scale", "f32")),
+        uniforms=(("count", "u32"), ("seq_len", "u32"), ("num_heads", "u32"), ("query_row_vec", "u32"), ("rotary_half", "u32"), ("scale", "f32")),
         constants=(("head_size", shape.head_size), ("workgroup_size", tuning.append_workgroup)) + rotary_constants,
     )
     count = shape.batch_size * attrs.num_heads * shape.seq_len * (shape.head_size // 4)
-    uniforms = dict(count=count, seq_len=shape.seq_len, num_heads=attrs.num_heads, query_row_vec=shape.query_hidden // 4,
-                    rotary_half=shape.rotary_dim // 2, scale=shape.scale)
+    uniforms = dict(
+        count=count,
+        seq_len=shape.seq_len,
+        num_heads=attrs.num_heads,
+        query_row_vec=shape.query_hidden // 4,
+        rotary_half=shape.rotary_dim // 2,
+        scale=shape.scale,
+    )
     return bind("query_prep", program, resources, uniforms, _fold(-(-count // tuning.append_workgroup)))
 
 
 def _layout_uniforms(shape: CallShape, cache: CacheFormat) -> dict:
     """The uniforms every attention pass reads to find a head's cache rows and layout row."""
     attrs = shape.attributes
-    return dict(seq_len=shape.seq_len, num_heads=attrs.num_heads, kv_num_heads=attrs.kv_num_heads, cache_rows=cache.rows,
-                num_layout=shape.num_layout, max_blocks=shape.max_blocks, block_size=attrs.sparse_block_size,
-                block_shift=attrs.sparse_block_size.bit_length() - 1)
+    return dict(
+        seq_len=shape.seq_len,
+        num_heads=attrs.num_heads,
+        kv_num_heads=attrs.kv_num_heads,
+        cache_rows=cache.rows,
+        num_layout=shape.num_layout,
+        max_blocks=shape.max_blocks,
+        block_size=attrs.sparse_block_size,
+        block_shift=attrs.sparse_block_size.bit_length() - 1,
+    )
 
 
-_LAYOUT_UNIFORMS = (("seq_len", "u32"), ("num_heads", "u32"), ("kv_num_heads", "u32"), ("cache_rows", "u32"),
-                    ("num_layout", "u32"), ("max_blocks", "u32"), ("block_size", "u32"), ("block_shift", "u32"))
+_LAYOUT_UNIFORMS = (
+    ("seq_len", "u32"),
+    ("num_heads", "u32"),
+    ("kv_num_heads", "u32"),
+    ("cache_rows", "u32"),
+    ("num_layout", "u32"),
+    ("max_blocks", "u32"),
+    ("block_size", "u32"),
+    ("block_shift", "u32"),
+)
 
 
 def _prefill_bindings(cache: CacheFormat, query: str = "prepared_query") -> tuple[Binding, ...]:
@@ -282,7 +317,8 @@ def prefill_tiled(shape: CallShape, tiling: PrefillTiling, cache: CacheFormat, r
             ("prefetch", tiling.prefetch),
             ("fma_scores", tiling.fma_scores),
             ("resident_query", tiling.resident_query),
-        ) + rotary_constants,
+        )
+        + rotary_constants,
     )
     workgroups = (shape.attributes.num_heads, _tiled_rows(shape, tiling.query_tile), shape.batch_size)
     return bind("attention_tiled", program, resources, uniforms, workgroups)
@@ -302,8 +338,15 @@ def prefill_rows(shape: CallShape, tuning: Tuning, cache: CacheFormat, resources
     return bind("attention_rows", program, resources, _layout_uniforms(shape, cache), workgroups)
 
 
-def decode_split(shape: CallShape, split: DecodeSplit, splits: int, cache: CacheFormat, resources: Mapping[str, BufferRange],
-                 fused_append: bool = False, merges: bool = False) -> Dispatch:
+def decode_split(
+    shape: CallShape,
+    split: DecodeSplit,
+    splits: int,
+    cache: CacheFormat,
+    resources: Mapping[str, BufferRange],
+    fused_append: bool = False,
+    merges: bool = False,
+) -> Dispatch:
     """One workgroup per (slice, query, head, batch row): a partial softmax per slice.
     With ``fused_append`` it reads the call's own rows from the inputs (decode_merge writes them).
     With ``merges`` each query's last slice to finish merges the slices into the output
@@ -312,9 +355,13 @@ def decode_split(shape: CallShape, split: DecodeSplit, splits: int, cache: Cache
     bindings = _attention_reads("query", cache, writes_cache=merges and fused_append)  # the last slices store the call's rows
     # The merging slice reads the other slices' partials, written in this dispatch.
     bindings += (
-        Binding("partial_acc", VEC4, writable=True, coherent=merges),
-        Binding("partial_stats", "vec2<f32>", writable=True, coherent=merges),
-    ) + (_NEW_ROW_SOURCES if fused_append else ()) + rotary_bindings
+        (
+            Binding("partial_acc", VEC4, writable=True, coherent=merges),
+            Binding("partial_stats", "vec2<f32>", writable=True, coherent=merges),
+        )
+        + (_NEW_ROW_SOURCES if fused_append else ())
+        + rotary_bindings
+    )
     if merges:
         bindings += (Binding("output", VEC4, writable=True), Binding("slice_counts", "atomic<u32>", writable=True))
         if fused_append and shape.attributes.do_rotary:
@@ -332,23 +379,37 @@ def decode_split(shape: CallShape, split: DecodeSplit, splits: int, cache: Cache
             ("shared_query", split.shared_query),
             ("fused_append", fused_append),
             ("merges", merges),
-        ) + _new_row_constants(shape, cache) + rotary_constants,
+        )
+        + _new_row_constants(shape, cache)
+        + rotary_constants,
     )
     workgroups = (splits * shape.seq_len, shape.attributes.num_heads, shape.batch_size)
     return bind("attention_split", program, resources, uniforms, workgroups)
 
 
-def decode_merge(shape: CallShape, tuning: Tuning, splits: int, cache: CacheFormat, resources: Mapping[str, BufferRange],
-                 fused_append: bool = False) -> Dispatch:
+def decode_merge(
+    shape: CallShape, tuning: Tuning, splits: int, cache: CacheFormat, resources: Mapping[str, BufferRange], fused_append: bool = False
+) -> Dispatch:
     """One workgroup per query: the slices' partials combined into the output; with
     ``fused_append`` also the call's new rows written into the cache (kv_append's job)."""
     attrs = shape.attributes
     head_vec = shape.head_size // 4
     workgroup = tuning.merge_workgroup_for(head_vec)
     rotary_constants, rotary_bindings = _rotary(shape)
-    bindings = (Binding("partial_acc", VEC4), Binding("partial_stats", "vec2<f32>"), Binding("row_past", "u32"), Binding("output", VEC4, writable=True))
-    uniforms = dict(count=shape.batch_size * shape.seq_len * attrs.num_heads, seq_len=shape.seq_len, num_heads=attrs.num_heads,
-                    kv_num_heads=attrs.kv_num_heads, cache_rows=cache.rows, splits=splits)
+    bindings = (
+        Binding("partial_acc", VEC4),
+        Binding("partial_stats", "vec2<f32>"),
+        Binding("row_past", "u32"),
+        Binding("output", VEC4, writable=True),
+    )
+    uniforms = dict(
+        count=shape.batch_size * shape.seq_len * attrs.num_heads,
+        seq_len=shape.seq_len,
+        num_heads=attrs.num_heads,
+        kv_num_heads=attrs.kv_num_heads,
+        cache_rows=cache.rows,
+        splits=splits,
+    )
     declared = (("count", "u32"), ("seq_len", "u32"), ("num_heads", "u32"), ("kv_num_heads", "u32"), ("cache_rows", "u32"), ("splits", "u32"))
     if fused_append:
         bindings += _new_row_io(shape, cache) + rotary_bindings
@@ -360,7 +421,9 @@ def decode_merge(shape: CallShape, tuning: Tuning, splits: int, cache: CacheForm
         template="decode_merge.wgsl.jinja",
         bindings=bindings,
         uniforms=declared,
-        constants=(("head_vec", head_vec), ("workgroup_size", workgroup), ("fused_append", fused_append)) + _new_row_constants(shape, cache) + rotary_constants,
+        constants=(("head_vec", head_vec), ("workgroup_size", workgroup), ("fused_append", fused_append))
+        + _new_row_constants(shape, cache)
+        + rotary_constants,
     )
     return bind("attention_merge", program, resources, uniforms, _fold(uniforms["count"]))
 
@@ -380,8 +443,15 @@ def probe_compare(shape: CallShape, cache: CacheFormat, resources: Mapping[str, 
     per batch row of the caller's past against the cache, one flag per workgroup."""
     program = Program(
         template="probe_compare.wgsl.jinja",
-        bindings=(Binding("probe_slots", "u32"), Binding("row_past", "u32"), Binding("probe_key", VEC4), Binding("probe_value", VEC4),
-                  Binding("key_cache", cache.vec), Binding("value_cache", cache.vec), Binding("probe_flags", "u32", writable=True)),
+        bindings=(
+            Binding("probe_slots", "u32"),
+            Binding("row_past", "u32"),
+            Binding("probe_key", VEC4),
+            Binding("probe_value", VEC4),
+            Binding("key_cache", cache.vec),
+            Binding("value_cache", cache.vec),
+            Binding("probe_flags", "u32", writable=True),
+        ),
         uniforms=(("batch", "u32"), ("kv_num_heads", "u32"), ("probes", "u32"), ("cache_rows", "u32")),
         constants=(("head_vec", shape.head_size // 4), ("workgroup_size", PROBE_WORKGROUP)),
     )

@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import wgpu
 
-from sparse_attention_op.webgpu.cache_record import CacheRecord, SyncPlan
 from sparse_attention_op.webgpu.buffers import Upload
+from sparse_attention_op.webgpu.cache_record import CacheRecord, SyncPlan
 
 _USAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_DST | wgpu.BufferUsage.COPY_SRC
 _FIRST_ROWS = 256
@@ -24,8 +24,18 @@ class ResidentCache:
     """``dtype`` float16 halves the cache's memory and bandwidth; it serves only nodes whose
     values are all float16 values (float16-storage nodes), where it loses nothing."""
 
-    def __init__(self, device, batch: int, kv_heads: int, head_size: int, max_rows: int, dtype=np.float32, max_binding_bytes: int = 2**31,
-                 *, record_itemsize: int):
+    def __init__(
+        self,
+        device,
+        batch: int,
+        kv_heads: int,
+        head_size: int,
+        max_rows: int,
+        dtype=np.float32,
+        max_binding_bytes: int = 2**31,
+        *,
+        record_itemsize: int,
+    ):
         self.device = device
         self.max_binding_bytes = max_binding_bytes
         self.batch, self.kv_heads, self.head_size, self.max_rows = batch, kv_heads, head_size, max_rows
@@ -61,7 +71,9 @@ class ResidentCache:
             return
         old = (self.key, self.value)
         encoder = self.device.create_command_encoder()
-        self.key, self.value = (self.device.create_buffer(size=self.bytes_for(rows), usage=_USAGE, label=f"{name}_cache") for name in ("key", "value"))
+        self.key, self.value = (
+            self.device.create_buffer(size=self.bytes_for(rows), usage=_USAGE, label=f"{name}_cache") for name in ("key", "value")
+        )
         if old[0] is not None:
             row_bytes = self.head_size * self.dtype.itemsize
             for b, held in enumerate(self.record.valid):
@@ -70,8 +82,11 @@ class ResidentCache:
                 for head in range(self.kv_heads):
                     for source, target in zip(old, (self.key, self.value)):
                         encoder.copy_buffer_to_buffer(
-                            source, ((b * self.kv_heads + head) * self.rows) * row_bytes,
-                            target, ((b * self.kv_heads + head) * rows) * row_bytes, int(held) * row_bytes,
+                            source,
+                            ((b * self.kv_heads + head) * self.rows) * row_bytes,
+                            target,
+                            ((b * self.kv_heads + head) * rows) * row_bytes,
+                            int(held) * row_bytes,
                         )
             self.device.queue.submit([encoder.finish()])
             # Destroying after the submit is safe: the submitted copies still complete.

@@ -67,8 +67,9 @@ class _Request(threading.local):
 
     def renew(self) -> None:
         self.cell = _ffi.new("int *", -1)
-        self.info = _ffi.new("WGPUBufferMapCallbackInfo *", {"mode": _lib.WGPUCallbackMode_AllowProcessEvents, "callback": _callback,
-                                                             "userdata1": self.cell})
+        self.info = _ffi.new(
+            "WGPUBufferMapCallbackInfo *", {"mode": _lib.WGPUCallbackMode_AllowProcessEvents, "callback": _callback, "userdata1": self.cell}
+        )
 
     def abandon(self) -> None:
         _abandoned_cells.append(self.cell)

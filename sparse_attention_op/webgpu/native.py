@@ -106,8 +106,7 @@ def create_unchecked_shader_module(device, wgsl: str, label: str):
     source = new_struct_p("WGPUShaderSourceWGSL *", code=to_c_string_view(wgsl))
     source[0].chain.next = ffi.NULL
     source[0].chain.sType = lib.WGPUSType_ShaderSourceWGSL
-    descriptor = new_struct_p("WGPUShaderModuleDescriptor *", nextInChain=ffi.cast("WGPUChainedStruct *", source),
-                              label=to_c_string_view(label))
+    descriptor = new_struct_p("WGPUShaderModuleDescriptor *", nextInChain=ffi.cast("WGPUChainedStruct *", source), label=to_c_string_view(label))
     # libf raises wgpu-native's validation errors (a WGSL error) as wgpu-py's own call would.
     handle = libf.wgpuDeviceCreateShaderModuleTrusted(device._internal, descriptor, lib.WGPUShaderRuntimeChecks_None)
     if handle == ffi.NULL:  # refused without a reported error: the GPU's failure all the same

@@ -115,8 +115,11 @@ class WgpuPyRecording:
         """One compute pass per list of launches; with a ``query_set``, pass i writes its start
         and end timestamps at indices 2i and 2i+1."""
         for index, recorded in enumerate(passes):
-            writes = None if query_set is None else {
-                "query_set": query_set, "beginning_of_pass_write_index": 2 * index, "end_of_pass_write_index": 2 * index + 1}
+            writes = (
+                None
+                if query_set is None
+                else {"query_set": query_set, "beginning_of_pass_write_index": 2 * index, "end_of_pass_write_index": 2 * index + 1}
+            )
             compute = self._encoder.begin_compute_pass(timestamp_writes=writes)
             for launch in recorded:
                 compute.set_pipeline(launch.pipeline)

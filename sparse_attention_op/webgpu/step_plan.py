@@ -89,8 +89,9 @@ class Readback:
         self.copy_bytes = last_offset + -(-kept[-1].nbytes // 4) * 4  # copies move whole words
         self.buffer = pool.get("readback.0", self.copy_bytes, READBACK_USAGE)
         #: (offset, end, parallel) of each result: a large one is copied out by host threads.
-        self.reads = tuple((offset, offset + array.nbytes, array.nbytes >= host_threads.PARALLEL_BYTES)
-                           for (_, offset, _), array in zip(layout.results, kept))
+        self.reads = tuple(
+            (offset, offset + array.nbytes, array.nbytes >= host_threads.PARALLEL_BYTES) for (_, offset, _), array in zip(layout.results, kept)
+        )
         #: The plan's kept result arrays, with the bytes of each (what the copies write).
         self.kept = tuple((array, array.reshape(-1).view(np.uint8)) for array in kept)
 
@@ -111,13 +112,50 @@ class StepPlan:
     executor (WebGPUExecutor._build_plan); every buffer, launch and host array here is the
     node's or the executor's, kept while the key holds."""
 
-    __slots__ = ("key", "route", "layout", "sections", "launches", "inputs", "results", "readback", "host_results", "probes", "rotary",
-                 "replayable", "upload_bytes", "packed", "views", "query", "row_past", "key_source", "value_source", "cos_rows", "sin_rows",
-                 "probe_slots", "probe_key", "probe_value")
+    __slots__ = (
+        "key",
+        "route",
+        "layout",
+        "sections",
+        "launches",
+        "inputs",
+        "results",
+        "readback",
+        "host_results",
+        "probes",
+        "rotary",
+        "replayable",
+        "upload_bytes",
+        "packed",
+        "views",
+        "query",
+        "row_past",
+        "key_source",
+        "value_source",
+        "cos_rows",
+        "sin_rows",
+        "probe_slots",
+        "probe_key",
+        "probe_value",
+    )
 
-    def __init__(self, *, key: tuple, route, layout: StepLayout, sections: tuple, launches: list, inputs, results,
-                 readback: Readback | None, host_results: list[np.ndarray], rotary: bool, probes: int, packed: np.ndarray | None,
-                 replayable: bool):
+    def __init__(
+        self,
+        *,
+        key: tuple,
+        route,
+        layout: StepLayout,
+        sections: tuple,
+        launches: list,
+        inputs,
+        results,
+        readback: Readback | None,
+        host_results: list[np.ndarray],
+        rotary: bool,
+        probes: int,
+        packed: np.ndarray | None,
+        replayable: bool,
+    ):
         self.key, self.route, self.layout, self.sections = key, route, layout, sections
         self.launches, self.inputs, self.results, self.readback = launches, inputs, results, readback
         #: The kept result arrays, in the results buffer's order (result_sections).
@@ -180,7 +218,7 @@ class StepPlan:
         kept = self.host_results
         if not reuse:
             fresh = [np.empty_like(array) for array in kept[: 1 + self.rotary]]
-            kept = fresh + kept[len(fresh):]
+            kept = fresh + kept[len(fresh) :]
         return kept if output is None else [output, *kept[1:]]
 
     def download(self, arrays: list[np.ndarray], pool: BufferPool, device, spin_seconds: float, chunk_bytes: int) -> Download:

@@ -37,7 +37,6 @@ project's 2-core machine (--quick and --lavapipe-check).
 from __future__ import annotations
 
 import dataclasses
-
 from dataclasses import dataclass
 
 from sparse_attention_op.op.spec import CallShape
@@ -406,8 +405,17 @@ class Tuning:
         if query_tile < 2 * query_regs:  # 8-token blocks: too few queries to share loads
             return None
         head_vec = shape.head_size // 4
-        tiling = PrefillTiling(query_tile, self.prefill_key_tile, query_regs, self.prefill_key_regs, min(self.prefill_depth_chunk, head_vec),
-                               self.prefill_value_chunk, head_vec, self.prefill_prefetch, self.prefill_fma_scores)
+        tiling = PrefillTiling(
+            query_tile,
+            self.prefill_key_tile,
+            query_regs,
+            self.prefill_key_regs,
+            min(self.prefill_depth_chunk, head_vec),
+            self.prefill_value_chunk,
+            head_vec,
+            self.prefill_prefetch,
+            self.prefill_fma_scores,
+        )
         if tiling.workgroup > self.max_invocations:
             return None
         if not (tiling.valid() and tiling.workgroup_bytes() <= self.workgroup_storage_bytes):
@@ -429,8 +437,13 @@ class Tuning:
         head_vec = shape.head_size // 4
         if head_vec > self.decode_workgroup or self.decode_workgroup > self.max_invocations:
             return None
-        split = DecodeSplit(self.decode_workgroup, min(self.decode_lanes_per_key, _pow2_at_least(head_vec)), self.decode_keys_per_group, head_vec,
-                            self.decode_shared_query)
+        split = DecodeSplit(
+            self.decode_workgroup,
+            min(self.decode_lanes_per_key, _pow2_at_least(head_vec)),
+            self.decode_keys_per_group,
+            head_vec,
+            self.decode_shared_query,
+        )
         if split.workgroup_bytes() > self.workgroup_storage_bytes:
             return None  # the simple pass serves it (about 9 KiB at the defaults: any adapter holds that)
         return split
@@ -465,6 +478,7 @@ class Tuning:
 def _halvings(tiling: PrefillTiling):
     """Every tiling with the query tile, key tile and staging chunks halved any number of
     times (down to what the register blocks need)."""
+
     def halves(value, floor):
         while value >= floor:
             yield value
@@ -500,9 +514,11 @@ def looks_like_cpu(limits: dict) -> bool:
     """Whether limits alone suggest Mesa's software Vulkan (lavapipe): a 128 MiB storage
     binding with 32 KiB of workgroup memory and 1024 invocations per workgroup. A guess
     (some mobile GPUs share those numbers); :func:`choose_tuning` prefers the adapter type."""
-    return (int(limits.get("max-storage-buffer-binding-size", 0)) <= 128 << 20
-            and int(limits.get("max-compute-workgroup-storage-size", 0)) <= 32768
-            and int(limits.get("max-compute-invocations-per-workgroup", 0)) >= 1024)
+    return (
+        int(limits.get("max-storage-buffer-binding-size", 0)) <= 128 << 20
+        and int(limits.get("max-compute-workgroup-storage-size", 0)) <= 32768
+        and int(limits.get("max-compute-invocations-per-workgroup", 0)) >= 1024
+    )
 
 
 def choose_tuning(limits: dict, features: frozenset, adapter_type: str | None = None) -> Tuning:
@@ -520,8 +536,13 @@ def choose_tuning(limits: dict, features: frozenset, adapter_type: str | None = 
     binding_bytes = int(limits.get("max-storage-buffer-binding-size", 128 << 20))
     invocations = int(limits.get("max-compute-invocations-per-workgroup", 256))
     storage_buffers = int(limits.get("max-storage-buffers-per-shader-stage", 8))
-    tuning = Tuning(workgroup_storage_bytes=workgroup_bytes, max_binding_bytes=binding_bytes, max_invocations=invocations,
-                    max_storage_buffers=storage_buffers, coherent_storage="memory-decoration-coherent" in features)
+    tuning = Tuning(
+        workgroup_storage_bytes=workgroup_bytes,
+        max_binding_bytes=binding_bytes,
+        max_invocations=invocations,
+        max_storage_buffers=storage_buffers,
+        coherent_storage="memory-decoration-coherent" in features,
+    )
     cpu = adapter_type == "CPU" if adapter_type is not None else looks_like_cpu(limits)
     if cpu:
         tuning = dataclasses.replace(tuning, map_spin_seconds=0.0, **CPU_DECODE_FIELDS)
