@@ -103,6 +103,9 @@ def compare(reference: dict, row: dict, prompt: list[int], judge, dims) -> str:
     """How ``row``'s tokens stand against ``reference``'s (judged by the ``judge`` session)."""
     if row["tokens"] == reference["tokens"]:
         return f"identical to {reference['config']}"
+    if judge is None:  # a GenAI row against a reference from an earlier run: nothing to judge with
+        step = next(i for i, (a, b) in enumerate(zip(row["tokens"], reference["tokens"])) if a != b)
+        return f"differs from {reference['config']} at token {step} (not judged)"
     found = divergences(judge, [prompt], [row["tokens"]], [reference["tokens"]], dims)
     if found and all(d.near_tie for d in found):
         return f"near-tie with {reference['config']} at token {found[0].step}"
@@ -135,7 +138,10 @@ def main() -> int:
     model_proto = __import__("onnx").load(str(resolve(args.model).onnx_path), load_external_data=False)
     dims = cache_dims_of(model_proto)
     vocab = json.loads((args.model / "genai_config.json").read_text())["model"]["vocab_size"]
-    references: dict[int, tuple[dict, object]] = {}
+    # The first configuration that ran a prompt is the others' reference, across runs into one --json.
+    references: dict[int, tuple[dict, object]] = {
+        r["prompt"]: (r, None) for r in document["rows"] if r.get("model") == label and r.get("agreement") == "reference"
+    }
     failed = False
     for config in args.configs:
         try:
@@ -165,7 +171,7 @@ def main() -> int:
                 prompt_tokens_per_second=length / prompt_s,
                 decode_tokens_per_second=len(steps) / sum(steps) if steps else None,
             )
-            if length in references and runner.session is not None or length in references and references[length][1] is not None:
+            if length in references:
                 reference, judge = references[length]
                 row["agreement"] = compare(reference, row, prompt, judge or runner.session, dims)
                 failed |= row["agreement"].startswith("DIFFERENT")
