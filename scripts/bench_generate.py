@@ -208,7 +208,7 @@ def plot(rows: list[dict], path: Path) -> None:
         name = f"{model}, {config}: {CONFIGS[config]}"
         axes[0].plot([r["prompt"] for r in mine], [r["decode_tokens_per_second"] or 0 for r in mine], marker="o", label=name)
         axes[1].plot([r["prompt"] for r in mine], [r["prompt_tokens_per_second"] for r in mine], marker="o", label=name)
-    for axis, title in zip(axes, ("decode tokens/s (64 new tokens)", "prompt tokens/s")):
+    for axis, title in zip(axes, ("decode tokens/s (greedy, after the prompt)", "prompt tokens/s (the first new token included)")):
         axis.set_xscale("log", base=2)
         axis.set_yscale("log")
         axis.set_xlabel("prompt tokens")

@@ -45,7 +45,7 @@ RECORD_FRACTION = 0.01
 #: The fast check's probes per batch row: the last LAST_ROWS history rows in every kv head
 #: (they are warm in the CPU's caches: the presents' newest rows), and SPREAD_ROWS rows spread
 #: over the history, each in one kv head. A spread row is a random read of the caller's
-#: past, which is mostly cold (at capacity 131072, 64 such reads took 50 us on the 2-core VM
+#: past, which is mostly cold (at capacity 131072, 64 such reads took 50 us on a 2-core CPU machine
 #: against 10 us warm): what a new sequence, a restart or a reordered batch changes, it
 #: changes in every head, so one head per spread row sees it.
 LAST_ROWS = 8
@@ -78,7 +78,7 @@ def _dot(words: np.ndarray, multipliers: np.ndarray) -> np.ndarray:
     """words (..., k) uint64 . multipliers (k,), wrapping modulo 2**64; large inputs in parallel.
 
     einsum, not matmul: numpy's integer matmul has no BLAS behind it, and einsum's loop
-    measured 1.3x faster alone and 1.8x in parallel (8152 rows of 8 heads, 2-core VM)."""
+    measured 1.3x faster alone and 1.8x in parallel (8152 rows of 8 heads, a 2-core CPU machine)."""
     if words.size < _PARALLEL_WORDS or words.ndim < 2 or words.shape[0] < 2:
         return np.einsum("...k,k->...", words, multipliers)
     ranges = host_threads.split(words.shape[0], host_threads.workers())
@@ -389,7 +389,7 @@ class CacheRecord:
         """append() for a decode step, every batch row at once: one new row each, key and
         value digested together (a decode step calls this once per node: few numpy calls).
         Batch 1 has a path of its own: 15.6 us against 22.2 us through the general one
-        (8 kv heads, head size 128, 2-core VM)."""
+        (8 kv heads, head size 128, a 2-core CPU machine)."""
         self._assert_describes(past)
         c, wpr = self.chunk_rows, self.digests.words_per_row
         words = np.stack((new_key[:, :, 0], new_value[:, :, 0])).astype(np.float32, copy=False).view(np.uint64)  # (2, batch, heads, wpr)

@@ -5,7 +5,7 @@ token wakes that thread, which polls the device until the map's callback fires t
 wakes the caller through a ``threading.Event``. Every read-back of a call pays for two
 thread hand-offs and for the GIL the two threads then contend for. Dispatch, copy, map and
 read of 16 KiB (``scripts/measure_platform.py --only wgpu``, docs/design.md section 3):
-on this project's 2-core VM (lavapipe), 212-216 us this way against 302-320 us through the
+on a 2-core CPU machine (lavapipe), 212-216 us this way against 302-320 us through the
 poll thread; on the H200 host 120-157 us against 200-226 us (BENCHMARKS.md).
 
 This module maps through the wgpu-native functions wgpu-py itself binds (the request and
