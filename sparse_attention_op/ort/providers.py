@@ -166,4 +166,5 @@ def plugin_report() -> dict:
 def describe_device(device) -> str:
     hardware = device.device
     kind = getattr(hardware.type, "name", str(hardware.type))
-    return f"{hardware.vendor} {kind} (vendor id {hardware.vendor_id:#06x}, device id {hardware.device_id:#06x})"
+    vendor = f"{hardware.vendor} " if hardware.vendor else ""
+    return f"{vendor}{kind} (vendor id {hardware.vendor_id:#06x}, device id {hardware.device_id:#06x})"
