@@ -7,6 +7,12 @@
 Data flows one way: ORT -> bridge (a custom op handed ORT's own tensors, no copy) -> spec
 (one validated call) -> WebGPU executor -> outputs, written into ORT's buffers. The bridge
 never touches the GPU and the executor never parses ONNX.
+
+The package's wings, from the bottom: ``settings`` (every setting and environment variable),
+``op`` (the operator's contract and its float64 reference), ``webgpu`` (the executor and its
+kernels), ``ort`` (the custom op, the graph rewrite, sessions, execution providers),
+``generation`` (the loop and ORT GenAI), ``testing`` (fixtures), ``benchmarking`` and ``cli``.
+This module is the facade over them; nothing in the package imports it.
 """
 
 from sparse_attention_op.generation.genai import load_genai_model, prepare_genai_folder
