@@ -18,7 +18,9 @@ Every case feeds one prompt of random ids (fixed seed per length), then greedy-d
 (the first new token included), the decode rate (new tokens after the first over the decode
 steps' wall time), and the tokens against the first configuration that ran the same prompt
 (identical, a float16 near-tie, or DIFFERENT: judged by sparse_attention_op.generation's
-``divergences``). A warm-up generation of 64 prompt tokens compiles every kernel first.
+``divergences``). A warm-up generation of 64 prompt tokens compiles every kernel first;
+``--warm-lengths`` also runs each prompt length once untimed before timing it, so that its
+prompt time leaves out compiling the kernels for that length.
 
 A failing configuration is a row that says how it failed; the others go on. ``--json`` is
 rewritten after every row, so a run cut short keeps what it measured. ``--plot`` draws the
@@ -122,6 +124,7 @@ def main() -> int:
         "--cpu-max-prompt", type=int, default=1024, help="longest prompt a and b run (the CPU's prompts take minutes; default %(default)s)"
     )
     parser.add_argument("--ep-option", action="append", default=[], metavar="KEY=VALUE", help="a WebGPU EP provider option (repeatable)")
+    parser.add_argument("--warm-lengths", action="store_true", help="run each prompt length once untimed first (no kernel compiles in its time)")
     parser.add_argument("--label", default="", help="what the rows are of (e.g. '32 layers'); default the folder's name")
     parser.add_argument("--json", type=Path, default=None, help="write (and extend, if it exists) the rows, the command and the machine")
     parser.add_argument("--plot", type=Path, default=None, help="decode and prompt rates against prompt length, from --json's rows")
@@ -159,6 +162,8 @@ def main() -> int:
             prompt = np.random.default_rng(length).integers(2, vocab, length).tolist()
             row = {"model": label, "config": config, "prompt": length}
             try:
+                if args.warm_lengths:
+                    runner.generate(prompt, 2)
                 tokens, prompt_s, steps = runner.generate(prompt, args.new_tokens)
             except Exception as error:
                 row["error"] = f"{type(error).__name__}: {' '.join(str(error).split())[:400]}"
