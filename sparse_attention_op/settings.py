@@ -121,7 +121,9 @@ def environment(name: str, default: str = "") -> str:
         if new == name and old in os.environ:
             if old not in _warned:
                 _warned.add(old)
-                warnings.warn(f"{old} is deprecated: set {new} instead (the old name goes in the next release)", DeprecationWarning, stacklevel=2)
+                # A FutureWarning: Python shows it by default (a DeprecationWarning raised
+                # inside the package would stay hidden from the user who set the variable).
+                warnings.warn(f"{old} is deprecated: set {new} instead (the old name goes in the next release)", FutureWarning, stacklevel=2)
             return os.environ[old]
     return default
 

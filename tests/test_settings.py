@@ -44,7 +44,7 @@ def test_the_old_adapter_variable_still_works_with_a_warning(monkeypatch):
     monkeypatch.delenv("SAO_ADAPTER", raising=False)
     monkeypatch.setenv("SPARSE_ATTENTION_OP_ADAPTER", "llvmpipe")
     monkeypatch.setattr(settings, "_warned", set())
-    with pytest.warns(DeprecationWarning, match="SPARSE_ATTENTION_OP_ADAPTER is deprecated: set SAO_ADAPTER"):
+    with pytest.warns(FutureWarning, match="SPARSE_ATTENTION_OP_ADAPTER is deprecated: set SAO_ADAPTER"):
         assert settings.environment("SAO_ADAPTER") == "llvmpipe"
     assert settings.environment_name("SAO_ADAPTER") == "SPARSE_ATTENTION_OP_ADAPTER"
     monkeypatch.setenv("SAO_ADAPTER", "lavapipe")  # the new name wins, silently

@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     from sparse_attention_op.testing.plain_ort import run_plain_ort, shared_pairs
 
     files = model_files.resolve(args.model)
-    model = model_files.load(files)
+    model = model_files.load(files, with_weights=False)  # the sessions read the weights where they lie
     if args.feeds:
         feeds = check_feeds(model, _read_npz(args.feeds), str(args.feeds))
         notes = []
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         feeds, notes = random_feeds(model, settings, (files.genai_config or {}).get("model", {}).get("vocab_size"))
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
-    session = create_session(model, kv_check=args.kv_check, ep=args.ep)
+    session = create_session(files.onnx_path, kv_check=args.kv_check, ep=args.ep)
     names = [o.name for o in session.get_outputs()]
     seconds = []
     for _ in range(args.repeat):
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         seconds.append(time.perf_counter() - start)
     reference = None
     if args.compare_ort:
-        reference = run_plain_ort(model, feeds)
+        reference = run_plain_ort(model, feeds, files.onnx_path)
     print(f"model: {files.onnx_path}")
     print("feeds: " + ", ".join(f"{name} {list(np.shape(value))} {np.asarray(value).dtype}" for name, value in feeds.items()))
     timing = f"{1e3 * seconds[0]:.2f} ms" + (

@@ -85,8 +85,11 @@ class ModelReport:
 
 
 def inspect_model(model: onnx.ModelProto, files: ModelFiles, ep: str = "cpu") -> ModelReport:
-    """The report of ``model`` (loaded from ``files``; external weights need not be loaded)."""
+    """The report of ``model`` (loaded from ``files``; external weights need not be loaded).
+    ``ep="webgpu"``: the placement is ORT's own, from a session with that EP, for a model
+    create_session loads (one it refuses shows the static placement beside the reason)."""
     graph = model.graph
+    refused = refusal(model, Path(files.onnx_path).parent)
     declared = declared_tensors(model)
     constants = constant_tensors(graph)
     graph_inputs = {i.name for i in graph.input} - set(constants)
@@ -123,8 +126,8 @@ def inspect_model(model: onnx.ModelProto, files: ModelFiles, ep: str = "cpu") ->
         outputs=[declared.get(o.name, TensorInfo(o.name, "?", None)) for o in graph.output],
         nodes=nodes,
         layouts=list(layouts.values()),
-        placement=placement(graph) if ep == "cpu" else session_placement(files.onnx_path, ep),
-        refused=refusal(model, Path(files.onnx_path).parent),
+        placement=placement(graph) if ep == "cpu" or refused else session_placement(files.onnx_path, ep),
+        refused=refused,
     )
 
 

@@ -64,7 +64,8 @@ def device_pasts(model: onnx.ModelProto) -> frozenset[str]:
 def on_device(host: ort.OrtValue) -> ort.OrtValue:
     """A copy of ``host`` on the WebGPU EP's device, to bind as past and present of a layer
     :func:`device_pasts` names (made once; ORT reads and writes it there on every step)."""
-    device = ort.OrtValue.ortvalue_from_shape_and_type(host.shape(), host.numpy().dtype, memory_info=webgpu_plugin().memory_info())
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(host.element_type())  # (numpy() would copy the whole cache)
+    device = ort.OrtValue.ortvalue_from_shape_and_type(host.shape(), dtype, memory_info=webgpu_plugin().memory_info())
     ort.copy_tensors([host], [device], None)
     return device
 

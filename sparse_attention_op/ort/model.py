@@ -185,15 +185,39 @@ LAYOUT_INPUTS = tuple(INPUT_NAMES.index(name) for name in ("block_row_indices", 
 def load_constant_layouts(model: onnx.ModelProto, base_dir: str | os.PathLike) -> None:
     """Read into ``model`` (in place, stored inline from then on) the external data of every
     SparseAttention node's constant layout, for a model loaded without its external data:
-    prepare_model checks those values, and they are small. Other weights stay in their files."""
-    initializers = {init.name: init for init in model.graph.initializer}
+    prepare_model checks those values, and they are small. Other weights stay in their files.
+
+    The bytes are read here rather than by onnx's helper, which refuses a data file that is a
+    symbolic link (as in a model hub's snapshot folder, where ORT itself reads them)."""
+    visible: dict[str, onnx.TensorProto] = {}
     for graph in all_graphs(model.graph):
+        # A subgraph sees its own initializers and those of the graphs around it.
+        visible.update({init.name: init for init in graph.initializer})
         for node in graph.node:
             if not is_sparse_attention(node):
                 continue
             for index in LAYOUT_INPUTS:
-                tensor = initializers.get(node.input[index]) if index < len(node.input) else None
+                tensor = visible.get(node.input[index]) if index < len(node.input) else None
                 if tensor is not None and external_data_helper.uses_external_data(tensor):
-                    external_data_helper.load_external_data_for_tensor(tensor, str(base_dir))
-                    tensor.data_location = onnx.TensorProto.DEFAULT
-                    del tensor.external_data[:]
+                    _read_external(tensor, Path(base_dir))
+
+
+def _read_external(tensor: onnx.TensorProto, base_dir: Path) -> None:
+    """``tensor``'s external bytes, stored inline; a file outside ``base_dir``, or one too short,
+    is named as the model's fault."""
+    info = {entry.key: entry.value for entry in tensor.external_data}
+    location = Path(info.get("location", ""))
+    if not info.get("location") or location.is_absolute() or ".." in location.parts:
+        raise SparseAttentionError(f"tensor '{tensor.name}': external data location {str(location)!r} must be a path inside the model's folder")
+    offset, length = int(info.get("offset", 0)), info.get("length")
+    try:
+        with open(base_dir / location, "rb") as data:
+            data.seek(offset)
+            raw = data.read(int(length)) if length is not None else data.read()
+    except OSError as error:
+        raise SparseAttentionError(f"tensor '{tensor.name}': cannot read its external data {base_dir / location}: {error.strerror}") from None
+    if length is not None and len(raw) != int(length):
+        raise SparseAttentionError(f"tensor '{tensor.name}': {base_dir / location} holds {len(raw)} of its {length} bytes at offset {offset}")
+    tensor.raw_data = raw
+    tensor.data_location = onnx.TensorProto.DEFAULT
+    del tensor.external_data[:]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import uuid
 import weakref
@@ -13,14 +14,16 @@ from sparse_attention_op.op.spec import SparseAttentionError
 from sparse_attention_op.ort.bridge import forget_session, records, register
 from sparse_attention_op.ort.graph import ModelLike
 from sparse_attention_op.ort.model import load_for_session, prepare_model
-from sparse_attention_op.ort.providers import add_ep, require_ep
+from sparse_attention_op.ort.providers import add_ep, require_ep, webgpu_plugin
 from sparse_attention_op.settings import SessionSettings
 
 #: Marks SessionOptions that already carry the extensions library: registering it twice on
 #: one options object makes session creation fail ("Conflicting with a registered kernel").
 _REGISTERED_MARK = "sparse_attention_op.custom_ops_registered"
-#: Where ORT looks for the external weights of a model given as bytes.
+#: Where ORT looks for the external weights of a model given as bytes, and the mark of a folder
+#: this module set there (options reused for another model must not keep it).
 _EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"
+_EXTERNAL_FOLDER_MARK = "sparse_attention_op.external_folder"
 
 
 def _close_session(token: str, kernels: bool = True) -> None:
@@ -135,6 +138,24 @@ class SparseAttentionSession(ort.InferenceSession):
         return self._checked(super().run_with_iobinding, iobinding, run_options or _QUIET_RUN)
 
 
+def _point_at_weights(options: ort.SessionOptions, folder) -> None:
+    """Tell ORT where the external weights of the model handed over as bytes lie: a path's
+    folder, or, for a model given as bytes or a ModelProto, ORT's own default (the working
+    directory) again where these options still name a folder an earlier call of ours set."""
+    ours = _config_entry(options, _EXTERNAL_FOLDER_MARK)
+    wanted = str(folder) if folder is not None else (os.getcwd() if ours is not None else None)
+    if wanted is not None and _config_entry(options, _EXTERNAL_FOLDER) != wanted:
+        options.add_session_config_entry(_EXTERNAL_FOLDER, wanted)
+        options.add_session_config_entry(_EXTERNAL_FOLDER_MARK, wanted)
+
+
+def _config_entry(options: ort.SessionOptions, key: str) -> str | None:
+    try:
+        return options.get_session_config_entry(key)
+    except RuntimeError:  # absent
+        return None
+
+
 #: create_session's ``profile``: off, one timed pass per dispatch (True or "dispatches"), or
 #: the call's dispatches timed as its one pass ("pass").
 PROFILE_CHOICES = (False, True, "dispatches", "pass")
@@ -184,13 +205,14 @@ def create_session(
     require_ep(ep)
     if ep != "cpu" and providers:
         raise ValueError(f"pass either providers or ep={ep!r}, not both")
+    if ep == "webgpu":
+        webgpu_plugin()  # its failures before anything touches the caller's options
     source, external_folder = load_for_session(model)
     token = uuid.uuid4().hex
     prepared = prepare_model(source, session_token=token, kv_check=settings.kv_check, profile=settings.profile, f16_cache=settings.f16_cache)
     options = session_options(sess_options)
     add_ep(options, ep, ep_options)
-    if external_folder is not None:
-        options.add_session_config_entry(_EXTERNAL_FOLDER, str(external_folder))
+    _point_at_weights(options, external_folder)
     register()
     try:
         return SparseAttentionSession(

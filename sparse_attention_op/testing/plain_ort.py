@@ -34,9 +34,12 @@ def shared_pairs(model: onnx.ModelProto) -> dict[str, str]:
     return pairs
 
 
-def run_plain_ort(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Every graph output by name, computed by plain ORT on CPU with the pasts bound in place."""
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+def run_plain_ort(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], path=None) -> dict[str, np.ndarray]:
+    """Every graph output by name, computed by plain ORT on CPU with the pasts bound in place.
+    ``path``: the model's file, which ORT then reads with its external weights (``model`` may
+    then be its graph alone)."""
+    source = str(path) if path is not None else model.SerializeToString()
+    session = ort.InferenceSession(source, providers=["CPUExecutionProvider"])
     pairs = shared_pairs(model)
     # OrtValues borrow these arrays' memory: they must outlive the run.
     buffers = {past: np.array(feeds[past], copy=True) for past in set(pairs.values())}
