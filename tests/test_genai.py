@@ -258,7 +258,7 @@ def test_refused_call_under_genai_raises_and_logs(source, tmp_path):
     # The op's error reaches GenAI's exception as the node's status, and stderr through
     # logging, naming the node and the rule.
     assert "SparseAttentionWebGPU node" in raised and "'total_sequence_length': must be <= past_key's max_cache_len = 0" in raised, raised
-    assert "SparseAttention node 0:/model/layers.0/attn/SparseAttention refused a call" in done.stderr, done.stderr
+    assert "SparseAttention node model.onnx#0:/model/layers.0/attn/SparseAttention refused a call" in done.stderr, done.stderr
     assert "'total_sequence_length': must be <= past_key's max_cache_len = 0" in done.stderr, done.stderr
 
 

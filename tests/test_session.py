@@ -468,3 +468,15 @@ def test_a_closed_session_leaves_no_kernels(executor, rng):
     del session
     gc.collect()
     assert not any(kernel.token == token for kernel, _ in node_kernels())
+
+
+def test_models_prepared_under_one_token_keep_their_nodes_apart(rng):
+    from sparse_attention_op.ort.bridge import NODE_KEY_ATTRIBUTE
+
+    model = onnx.load("models/phi3-small-tiny/model.onnx")
+    keys = []
+    for scope in ("decoder.onnx#", "vision.onnx#"):
+        prepared = sao.prepare_model(model, session_token="folder", scope=scope)
+        keys.append({node_attributes(n)[NODE_KEY_ATTRIBUTE].decode() for n in bridge_nodes(prepared)})
+    assert all(key.startswith("folder/") for key in keys[0] | keys[1])  # one token: freed together
+    assert len(keys[0]) == 2 and not keys[0] & keys[1]

@@ -89,7 +89,9 @@ def prepare_genai_folder(source, target, *, kv_check: str = "fast", overwrite: b
             model = _load_structure(model_path)
             if not _holds(model, is_sparse_attention):
                 continue
-            prepared = prepare_model(model, session_token=token, kv_check=kv_check)
+            # One token for the folder (its GPU state is freed as one), one scope per model:
+            # two models' nodes of the same name and index must not share a cache.
+            prepared = prepare_model(model, session_token=token, kv_check=kv_check, scope=f"{relative}#")
             destination = staging / relative
             destination.parent.mkdir(parents=True, exist_ok=True)
             onnx.save(prepared, str(destination))

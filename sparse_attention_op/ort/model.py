@@ -29,12 +29,19 @@ FORMAT_KEY = "sparse_attention_op.bridge_format"
 
 
 def prepare_model(
-    model: ModelLike, *, session_token: str | None = None, kv_check: str = "exact", profile: bool | str = False, f16_cache: bool = True
+    model: ModelLike,
+    *,
+    session_token: str | None = None,
+    kv_check: str = "exact",
+    profile: bool | str = False,
+    f16_cache: bool = True,
+    scope: str = "",
 ) -> onnx.ModelProto:
     """Return a copy of ``model`` whose SparseAttention nodes the bridge runs.
 
     ``session_token`` prefixes every node identity; each call without one draws a fresh
-    token, so two models prepared separately never share GPU state. ``kv_check``,
+    token, so two models prepared separately never share GPU state; ``scope`` tells apart
+    the models that share one token (a GenAI folder's, by their file names). ``kv_check``,
     ``profile`` and ``f16_cache`` are the session's settings (see create_session), stamped
     on every node; a bad one raises :class:`~sparse_attention_op.settings.SettingsError`.
     """
@@ -50,7 +57,7 @@ def prepare_model(
     for graph in all_graphs(main):
         for index, node in enumerate(graph.node):
             if is_sparse_attention(node):
-                plan = _plan(node, f"{token}/{count}:{node.name}", settings, types, constants | set(constant_tensors(graph)), main, graph)
+                plan = _plan(node, f"{token}/{scope}{count}:{node.name}", settings, types, constants | set(constant_tensors(graph)), main, graph)
                 graph.node[index].CopyFrom(expand(plan))
                 count += 1
     if count:
