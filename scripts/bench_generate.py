@@ -40,6 +40,7 @@ import traceback
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
 import sparse_attention_op as sao
@@ -138,7 +139,7 @@ def main() -> int:
     print(f"Command: `{command}`\nMachine: {machine}\n", flush=True)
     header = ["model", "config", "prompt", "prompt s", "prompt tok/s", "decode tok/s", "tokens"]
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header), flush=True)
-    model_proto = __import__("onnx").load(str(resolve(args.model).onnx_path), load_external_data=False)
+    model_proto = onnx.load(str(resolve(args.model).onnx_path), load_external_data=False)
     dims = cache_dims_of(model_proto)
     vocab = json.loads((args.model / "genai_config.json").read_text())["model"]["vocab_size"]
     # The first configuration that ran a prompt is the others' reference, across runs into one --json.

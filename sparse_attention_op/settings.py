@@ -56,9 +56,11 @@ class SessionSettings:
     @classmethod
     def of(cls, *, kv_check: str = "exact", profile: bool | str = False, f16_cache: bool = True) -> SessionSettings:
         """From create_session's keywords, where ``profile`` may also be a bool (True:
-        ``"dispatches"``)."""
+        ``"dispatches"``, False: ``"off"``)."""
         if profile is True or profile is False:
             profile = "dispatches" if profile else "off"
+        elif profile not in PROFILES:
+            raise SettingsError(f"profile must be True, False or one of {PROFILES}, got {profile!r}")
         return cls(kv_check=kv_check, profile=profile, f16_cache=f16_cache)
 
     @property

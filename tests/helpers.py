@@ -10,6 +10,24 @@ import onnxruntime as ort
 from sparse_attention_op.op.reference import sparse_attention_reference
 from sparse_attention_op.op.spec import OpAttributes, build_call
 from sparse_attention_op.ort.presents import scatter_presents
+from sparse_attention_op.testing.decoder_models import DecoderConfig
+
+#: A two-layer decoder (one SparseAttention layer, one GroupQueryAttention) small enough for
+#: tests of whole models to run in milliseconds; tests vary it with dataclasses.replace.
+SMALL_DECODER = DecoderConfig(
+    vocab_size=96,
+    hidden=64,
+    layers=2,
+    num_heads=4,
+    kv_num_heads=2,
+    head_size=16,
+    local_blocks=2,
+    vert_stride=2,
+    max_position=128,
+    dense_every=2,
+    seed=7,
+    intermediate=96,
+)
 
 TOLERANCE = 2e-3  # absolute and relative, float32 (the acceptance bound)
 

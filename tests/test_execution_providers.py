@@ -9,6 +9,7 @@ there gets run instead: one-line errors, before any session exists, that say wha
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -22,6 +23,7 @@ from sparse_attention_op.cli import main
 from sparse_attention_op.generation.loop import GenerationError, device_layers_of
 from sparse_attention_op.ort import providers
 from sparse_attention_op.ort.providers import ExecutionProviderError
+from sparse_attention_op.testing.decoder_models import BUNDLED_MODELS, build_decoder
 
 MODEL = "models/phi3-small-tiny/model.onnx"
 FOLDER = "models/phi3-small-tiny"
@@ -102,12 +104,7 @@ def test_gqa_layers_are_the_ones_whose_caches_go_to_the_device():
 
 def static_model(rows: int) -> onnx.ModelProto:
     """The bundled decoder with every past declaring ``rows`` rows, as a static-cache export does."""
-    model = onnx.load(MODEL)
-    for value in [*model.graph.input, *model.graph.output]:
-        if value.name.startswith(("past_key_values.", "present.")):
-            value.type.tensor_type.shape.dim[2].Clear()
-            value.type.tensor_type.shape.dim[2].dim_value = rows
-    return model
+    return build_decoder(dataclasses.replace(BUNDLED_MODELS["phi3-small-tiny"], static_cache=rows))
 
 
 def test_a_static_cache_generates_with_its_own_capacity():

@@ -13,11 +13,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from helpers import SMALL_DECODER
 from onnx import helper, numpy_helper
 
 from sparse_attention_op.testing import decoder_models
 from sparse_attention_op.testing.decoder_models import (
-    DecoderConfig,
     build_decoder,
     decoder_reference,
     dequantize_int4,
@@ -28,20 +28,7 @@ from sparse_attention_op.testing.decoder_models import (
 from sparse_attention_op.testing.graphs import finish_model
 
 REPO = Path(__file__).resolve().parent.parent
-SMALL = DecoderConfig(
-    vocab_size=96,
-    hidden=64,
-    layers=2,
-    num_heads=4,
-    kv_num_heads=2,
-    head_size=16,
-    local_blocks=2,
-    vert_stride=2,
-    max_position=128,
-    dense_every=2,
-    seed=7,
-    intermediate=96,
-)
+SMALL = SMALL_DECODER
 NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from helpers import SMALL_DECODER
 
 from sparse_attention_op.testing.decoder_models import BUNDLED_MODELS, DecoderConfig, build_decoder, decoder_reference, genai_config
 
@@ -40,20 +41,7 @@ def test_bundled_folder_is_a_genai_folder(name):
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_reference_matches_ort_cpu_on_uniform_rows(dtype, rng):
     """Where ORT's kernels are right (every row one length), they agree with the float64 reference."""
-    config = DecoderConfig(
-        vocab_size=96,
-        hidden=64,
-        layers=2,
-        num_heads=4,
-        kv_num_heads=2,
-        head_size=16,
-        local_blocks=2,
-        vert_stride=2,
-        max_position=128,
-        dense_every=2,
-        dtype=dtype,
-        seed=7,
-    )
+    config = dataclasses.replace(SMALL_DECODER, intermediate=0, dtype=dtype)
     model = build_decoder(config)
     ids = rng.integers(0, config.vocab_size, (2, 50))
     feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
@@ -118,20 +106,7 @@ def test_late_fields_reach_the_props_only_when_set():
 def test_static_cache_model_runs_with_pasts_of_exactly_that_length(rng):
     """Every past and present declares static_cache rows; ORT's CPU provider runs a prompt and
     a decode step on pasts of exactly that length, past and present bound to one buffer."""
-    config = DecoderConfig(
-        vocab_size=96,
-        hidden=64,
-        layers=2,
-        num_heads=4,
-        kv_num_heads=2,
-        head_size=16,
-        local_blocks=2,
-        vert_stride=2,
-        max_position=256,
-        dense_every=2,
-        seed=7,
-        static_cache=256,
-    )
+    config = dataclasses.replace(SMALL_DECODER, intermediate=0, max_position=256, static_cache=256)
     model = build_decoder(config)
     caches = [*model.graph.input[2:], *model.graph.output[1:]]
     assert len(caches) == 4 * config.layers

@@ -188,8 +188,10 @@ def test_profile_times_each_dispatch_or_the_calls_one_pass(executor, rng):
 
 def test_an_unknown_profile_choice_is_refused(rng):
     model, _ = model_and_inputs(CaseConfig(seq_len=3), rng)
-    with pytest.raises(ValueError, match="profile must be one of"):
+    with pytest.raises(ValueError, match=r"profile must be True, False or one of \('off', 'dispatches', 'pass'\), got 'sometimes'"):
         sao.create_session(model, profile="sometimes")
+    with pytest.raises(ValueError, match="got 1"):  # an int is not a bool: no silent "dispatches"
+        sao.create_session(model, profile=1)
 
 
 @pytest.mark.gpu

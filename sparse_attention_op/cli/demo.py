@@ -23,7 +23,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from sparse_attention_op.op.layouts import mask_to_csr, phi3_small_mask
 from sparse_attention_op.op.reference import sparse_attention_reference
-from sparse_attention_op.op.spec import DOMAIN, OP_TYPE
+from sparse_attention_op.op.spec import DOMAIN, INPUT_NAMES, OP_TYPE
 from sparse_attention_op.ort.graph import node_attributes
 from sparse_attention_op.testing.graphs import finish_model
 from sparse_attention_op.testing.inputs import rotary_caches
@@ -70,19 +70,7 @@ def build_demo_model(shape: DemoShape = DemoShape(), seed: int = 0) -> onnx.Mode
         helper.make_node("MatMul", ["hidden_states", "w_qkv"], ["qkv"], name="qkv_proj"),
         helper.make_node(
             OP_TYPE,
-            [
-                "qkv",
-                "",
-                "",
-                "past_key",
-                "past_value",
-                "block_row_indices",
-                "block_col_indices",
-                "total_sequence_length",
-                "key_total_sequence_lengths",
-                "cos_cache",
-                "sin_cache",
-            ],
+            ["qkv", "", "", *INPUT_NAMES[3:]],  # packed QKV; every other input under its slot's name
             ["attention", "present_key", "present_value"],
             name="sparse_attention",
             domain=DOMAIN,

@@ -40,6 +40,7 @@ from sparse_attention_op.ort.graph import (
     node_attributes,
 )
 from sparse_attention_op.ort.io_binding import device_pasts, on_device
+from sparse_attention_op.ort.model import load_for_session
 from sparse_attention_op.ort.providers import require_ep, session_ep
 from sparse_attention_op.settings import SessionSettings, SettingsError
 
@@ -420,7 +421,6 @@ def _session(model, kv_check: str, ep: str, ep_options: dict | None) -> tuple[or
     layers whose caches live on the EP's device)."""
     if isinstance(model, ort.InferenceSession):
         return model, {"device_layers": _device_layers(model)}
-    from sparse_attention_op.ort.model import load_for_session
     from sparse_attention_op.ort.session import create_session
 
     if isinstance(model, (str, os.PathLike)) and os.path.isdir(model):
@@ -619,6 +619,7 @@ def divergences(
     identical. The runs agree when each entry is a near-tie. ``cache_dims`` as for :func:`generate`."""
     found = []
     hints = {} if cache_dims is None else {"kv_heads": cache_dims[0], "head_size": cache_dims[1]}
+    io, device_layers = None, None  # the reference's convention and cache placement, read at the first divergence
     for row, (prompt, mine, other) in enumerate(zip(prompts, ours, theirs)):
         step = next((i for i, (a, b) in enumerate(zip(mine, other)) if a != b), None)
         if step is None:
@@ -627,8 +628,9 @@ def divergences(
                 found.append(Divergence(row, step, mine[step] if step < len(mine) else None, other[step] if step < len(other) else None, 0.0, 0.0))
             continue
         context = list(prompt) + list(other[:step])
-        io = _DecoderIO.of(reference, hints)
-        loop = _Loop(reference, io, 1, _capacity(io, None, len(context)), _device_layers(reference))
+        if io is None:
+            io, device_layers = _DecoderIO.of(reference, hints), _device_layers(reference)
+        loop = _Loop(reference, io, 1, _capacity(io, None, len(context)), device_layers)
         logits = loop.step(np.array([context], np.int64), np.array([len(context)]))[0, -1].astype(np.float64)
         top = float(np.abs(logits).max())
         if io.cache_dtype == np.float16:

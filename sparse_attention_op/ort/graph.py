@@ -127,9 +127,11 @@ def declared_tensors(model: onnx.ModelProto) -> dict[str, TensorInfo]:
     found = {vi.name: _tensor_info(vi) for vi in [*graph.value_info, *graph.output, *graph.input]}
     for init in graph.initializer:
         found.setdefault(init.name, TensorInfo(init.name, dtype_name(init.data_type), list(init.dims), elem_type=init.data_type))
-    for name, tensor in constant_tensors(graph).items():
-        if name not in {init.name for init in graph.initializer}:
-            found[name] = TensorInfo(name, dtype_name(tensor.data_type), list(tensor.dims), elem_type=tensor.data_type)
+    for node in graph.node:  # Constant nodes' outputs: their value says what inference may not
+        for attribute in node.attribute if node.op_type == "Constant" and node.output else ():
+            if attribute.name == "value":
+                tensor = attribute.t
+                found[node.output[0]] = TensorInfo(node.output[0], dtype_name(tensor.data_type), list(tensor.dims), elem_type=tensor.data_type)
     return found
 
 

@@ -156,11 +156,6 @@ def _config_entry(options: ort.SessionOptions, key: str) -> str | None:
         return None
 
 
-#: create_session's ``profile``: off, one timed pass per dispatch (True or "dispatches"), or
-#: the call's dispatches timed as its one pass ("pass").
-PROFILE_CHOICES = (False, True, "dispatches", "pass")
-
-
 def create_session(
     model: ModelLike,
     sess_options: ort.SessionOptions | None = None,
@@ -199,8 +194,6 @@ def create_session(
     Model-level faults raise :class:`~sparse_attention_op.op.spec.SparseAttentionError` here;
     call-level faults raise it from ``run``, and the session keeps working afterwards.
     """
-    if profile not in PROFILE_CHOICES:
-        raise ValueError(f"profile must be one of {PROFILE_CHOICES}, got {profile!r}")
     settings = SessionSettings.of(kv_check=kv_check, profile=profile, f16_cache=f16_cache)
     require_ep(ep)
     if ep != "cpu" and providers:

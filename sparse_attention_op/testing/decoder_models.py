@@ -45,7 +45,7 @@ import json
 import os
 import zlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from functools import partial
 from pathlib import Path
 
@@ -254,23 +254,8 @@ BUNDLED_MODELS: dict[str, DecoderConfig] = {
         seed=0,
         intermediate=256,
     ),
-    "phi3-small-tiny-f16": DecoderConfig(
-        vocab_size=512,
-        hidden=128,
-        layers=4,
-        num_heads=8,
-        kv_num_heads=2,
-        head_size=16,
-        sparse_block_size=16,
-        local_blocks=2,
-        vert_stride=4,
-        max_position=512,
-        dense_every=2,
-        dtype="float16",
-        seed=0,
-        intermediate=256,
-    ),
 }
+BUNDLED_MODELS["phi3-small-tiny-f16"] = replace(BUNDLED_MODELS["phi3-small-tiny"], dtype="float16")
 
 
 @dataclass(frozen=True)
