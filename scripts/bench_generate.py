@@ -34,8 +34,6 @@ import json
 import os
 import platform
 import sys
-import tempfile
-import time
 import traceback
 from pathlib import Path
 
@@ -43,63 +41,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-import sparse_attention_op as sao
+from sparse_attention_op.benchmarking.whole_model import CONFIGS, Runner
 from sparse_attention_op.generation.loop import cache_dims_of, divergences
 from sparse_attention_op.generation.model_files import resolve
-from sparse_attention_op.ort.providers import add_ep
-
-CONFIGS = {
-    "a": "ORT CPU EP alone",
-    "b": "this package + ORT CPU EP",
-    "c": "ORT WebGPU plugin EP alone",
-    "d": "this package + ORT WebGPU plugin EP",
-    "e": "d through ORT GenAI",
-}
-
-
-class Runner:
-    """One configuration's session and how to generate with it."""
-
-    def __init__(self, config: str, folder: Path, ep_options: dict):
-        self.config, self.folder = config, folder
-        path = str(resolve(folder).onnx_path)
-        if config == "a":
-            self.session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-        elif config == "b":
-            self.session = sao.create_session(path, kv_check="fast")
-        elif config == "c":
-            options = ort.SessionOptions()
-            add_ep(options, "webgpu", ep_options)
-            self.session = ort.InferenceSession(path, options)
-        elif config == "d":
-            self.session = sao.create_session(path, kv_check="fast", ep="webgpu", ep_options=ep_options)
-        else:
-            self._staging = tempfile.TemporaryDirectory(prefix="genai-", dir=folder.parent)
-            prepared = sao.prepare_genai_folder(folder, Path(self._staging.name) / "prepared")
-            self.model = sao.load_genai_model(prepared, ep="webgpu", ep_options=ep_options)
-            self.session = None
-
-    def generate(self, prompt: list[int], new_tokens: int) -> tuple[list[int], float, list[float]]:
-        """(new tokens, prompt seconds, decode step seconds)."""
-        if self.session is not None:
-            result = sao.generate(self.session, [prompt], new_tokens, stop_tokens=())
-            return result.tokens[0], result.prompt_seconds, result.step_seconds
-        import onnxruntime_genai as og
-
-        params = og.GeneratorParams(self.model)
-        params.set_search_options(max_length=len(prompt) + new_tokens, do_sample=False)
-        generator = og.Generator(self.model, params)
-        start = time.perf_counter()
-        generator.append_tokens(np.array([prompt], np.int32))
-        generator.generate_next_token()
-        tokens = [int(generator.get_next_tokens()[0])]
-        prompt_seconds, steps = time.perf_counter() - start, []
-        while len(tokens) < new_tokens and not generator.is_done():
-            start = time.perf_counter()
-            generator.generate_next_token()
-            tokens.append(int(generator.get_next_tokens()[0]))
-            steps.append(time.perf_counter() - start)
-        return tokens, prompt_seconds, steps
 
 
 def compare(reference: dict, row: dict, prompt: list[int], judge, dims) -> str:

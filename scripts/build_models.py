@@ -7,6 +7,8 @@ write a decoder of Phi-3-small's real width anywhere else.
     python scripts/build_models.py --real-width --layers 2 --out /tmp/phi3-small-2
         # Phi-3-small's shape (int4 weights, float16), 2 of its 32 layers: model.onnx,
         # model.onnx.data (the weights) and genai_config.json in /tmp/phi3-small-2
+    python scripts/build_models.py --real-width --layers 32 --dense-every 1 --out /tmp/dense-32
+        # the same shape with every layer GroupQueryAttention (no SparseAttention)
 
 Each folder is a complete ORT GenAI model folder in the convention of
 sparse_attention_op.testing.decoder_models (Phi-3-small's structure; fixed random weights).
@@ -36,7 +38,7 @@ from sparse_attention_op.testing.decoder_models import (
 )
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
-REAL_WIDTH_ONLY = ("layers", "max_position", "static_cache", "seed")
+REAL_WIDTH_ONLY = ("layers", "max_position", "static_cache", "seed", "dense_every")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,6 +55,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-position", type=int, default=None, help="real width: context length (default 8192)")
     parser.add_argument("--static-cache", type=int, default=None, help="real width: rows every past/present declares (default: symbolic)")
     parser.add_argument("--seed", type=int, default=None, help="real width: the weights' seed (default 0)")
+    parser.add_argument(
+        "--dense-every",
+        type=int,
+        default=None,
+        help="real width: layer i is GroupQueryAttention when (i + 1) %% N == 0 (Phi-3-small: 2, the default; "
+        "1 makes every layer dense, a model ORT's WebGPU EP runs whole: the anchor for what host-side attention costs)",
+    )
     parser.add_argument("names", nargs="*", help=f"bundled models to write or check (default: all of {sorted(BUNDLED_MODELS)})")
     args = parser.parse_args(argv)
     if args.real_width:
