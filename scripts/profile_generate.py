@@ -73,6 +73,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=16, help="decode steps profiled (default %(default)s)")
     parser.add_argument("--ep-option", action="append", default=[], metavar="KEY=VALUE", help="a WebGPU EP provider option (repeatable)")
     parser.add_argument("--json", type=Path, default=None, help="write every kind's times here")
+    parser.add_argument("--traces", type=Path, default=None, help="keep ORT's raw profiles (chrome://tracing JSON) in this folder")
     args = parser.parse_args()
     if args.prompt < 1 or args.steps < 1:
         parser.error("--prompt and --steps must be positive")
@@ -81,9 +82,12 @@ def main() -> int:
     prompt = np.random.default_rng(args.prompt).integers(2, vocab, args.prompt).tolist()
     print(f"Command: `python {' '.join(sys.argv)}`\nMachine: {platform.node()} ({os.cpu_count()} CPUs), onnxruntime {ort.__version__}\n")
     document = []
-    with tempfile.TemporaryDirectory(prefix="profile-") as folder:
+    if args.traces:
+        args.traces.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="profile-") as scratch:
+        folder = args.traces or Path(scratch)
         for config in args.configs:
-            found = profile(config, args.model, prompt, args.steps, ep_options, Path(folder))
+            found = profile(config, args.model, prompt, args.steps, ep_options, folder)
             print(f"## ({config}) {CONFIGS[config]}, prompt {args.prompt}\n")
             print("\n".join(table(f"Prompt of {args.prompt} tokens (generate's wall: {found['prompt_seconds'] * 1e3:.1f} ms)", found["prompt"])))
             print()
