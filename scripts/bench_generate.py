@@ -11,7 +11,8 @@ Configurations (each one session, loaded once; every prompt length runs through 
   c  ORT's WebGPU plugin EP alone: what a user gets today (ORT places SparseAttention, which
      the EP lacks, on its CPU EP)
   d  this package with ORT's WebGPU plugin EP for the rest
-  e  d through ORT GenAI (a folder prepared by prepare_genai_folder, loaded with ep="webgpu")
+  e  d through ORT GenAI (a folder prepared by prepare_genai_folder with sparse_caches="op",
+     loaded with ep="webgpu")
 
 Every case feeds one prompt of random ids (fixed seed per length), then greedy-decodes
 ``--new-tokens`` tokens with no stop token. Columns: the prompt's wall time and tokens/s

@@ -437,3 +437,77 @@ def test_bundled_models_under_genai(og, name, tmp_path):
         assert not real, "; ".join(d.describe() for d in real)
     else:
         assert ours == theirs, f"{name}: GenAI with this op against ORT's kernel"
+
+
+# -- caches the op holds (sparse_caches="op") --------------------------------------------------
+@pytest.fixture(scope="module")
+def held(source) -> Path:
+    return sao.prepare_genai_folder(source, source.parent / "held", sparse_caches="op")
+
+
+def test_held_folder_binds_only_the_dense_layers_caches(held):
+    model = onnx.load(str(held / "model.onnx"))
+    pasts = sorted(i.name for i in model.graph.input if i.name.startswith("past_key_values."))
+    presents = sorted(o.name for o in model.graph.output if o.name.startswith("present."))
+    # Layers 0 and 1 are SparseAttention, layer 2 GroupQueryAttention.
+    assert pasts == ["past_key_values.2.key", "past_key_values.2.value"]
+    assert presents == ["present.2.key", "present.2.value"]
+    for node in bridge_nodes(model):
+        assert list(node.input[3:5]) == ["", ""] and list(node.output) == [node.output[0]]
+    assert json.loads((held / genai_module.RECORD_FILE).read_text())["sparse_caches"] == "op"
+
+
+def test_held_caches_give_the_tokens_of_orts_kernel(og, held, prompts, ort_kernel_tokens):
+    """Two rows, twice in a row (the second prompt starts each node's sequence over); then
+    one row rewound into its history, which goes on from there."""
+    model = sao.load_genai_model(held)
+    assert genai_generate(og, model, prompts) == ort_kernel_tokens
+    assert genai_generate(og, model, prompts) == ort_kernel_tokens
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=MAX_LENGTH, batch_size=1)
+    generator = og.Generator(model, params)
+    generator.append_tokens(prompts[:1])
+    for _ in range(10):
+        generator.generate_next_token()
+    generator.rewind_to(PROMPT_LEN)
+    generator.append_tokens(np.array([ort_kernel_tokens[0][:5]], np.int32))
+    while not generator.is_done():
+        generator.generate_next_token()
+    assert [int(t) for t in generator.get_sequence(0)][PROMPT_LEN:] == ort_kernel_tokens[0]
+
+
+def test_a_held_cache_refuses_a_sequence_it_does_not_hold(source, prompts, tmp_path):
+    """A plain session over a fresh held folder's model: a decode step whose history the
+    nodes never saw is refused, naming the input; the session then runs a prompt as ever."""
+    held = sao.prepare_genai_folder(source, tmp_path / "held", sparse_caches="op")
+    sao.register()
+    session = ort.InferenceSession(str(held / "model.onnx"), sao.session_options())
+    batch, past = 1, 10
+    zeros = np.zeros((batch, CONFIG.kv_num_heads, past, CONFIG.head_size), np.float32)
+    feeds = {
+        "input_ids": np.array([[5]], np.int64),
+        "attention_mask": np.ones((batch, past + 1), np.int64),
+        "past_key_values.2.key": zeros,
+        "past_key_values.2.value": zeros,
+    }
+    with pytest.raises(Exception, match=r"key_total_sequence_lengths.*holds 0 of them"):
+        session.run(None, feeds)
+    prompt = {
+        "input_ids": prompts[:1, :past].astype(np.int64),
+        "attention_mask": np.ones((batch, past), np.int64),
+        "past_key_values.2.key": zeros[:, :, :0],
+        "past_key_values.2.value": zeros[:, :, :0],
+    }
+    logits = session.run(["logits"], prompt)[0]
+    assert np.isfinite(logits).all()
+
+
+def test_held_caches_are_refused_without_another_cache(tmp_path):
+    only_sparse = DecoderConfig(**{**CONFIG.__dict__, "dense_every": 0})
+    source = tmp_path / "sparse-only"
+    write_model_folder(only_sparse, source)
+    with pytest.raises(ValueError, match="no cache input"):
+        sao.prepare_genai_folder(source, tmp_path / "held", sparse_caches="op")
+    assert not (tmp_path / "held").exists()
+    with pytest.raises(ValueError, match="sparse_caches must be one of"):
+        sao.prepare_genai_folder(source, tmp_path / "held", sparse_caches="device")

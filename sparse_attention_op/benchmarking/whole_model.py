@@ -26,7 +26,7 @@ CONFIGS = {
     "b": "this package + ORT CPU EP",
     "c": "ORT WebGPU plugin EP alone",
     "d": "this package + ORT WebGPU plugin EP",
-    "e": "d through ORT GenAI",
+    "e": "d through ORT GenAI (SparseAttention caches held by the op)",
 }
 
 
@@ -55,7 +55,7 @@ class Runner:
             self.session = sao.create_session(path, sess_options, kv_check="fast", ep="webgpu", ep_options=ep_options)
         else:
             self._staging = tempfile.TemporaryDirectory(prefix="genai-", dir=folder.parent)
-            prepared = sao.prepare_genai_folder(folder, Path(self._staging.name) / "prepared")
+            prepared = sao.prepare_genai_folder(folder, Path(self._staging.name) / "prepared", sparse_caches="op")
             self.model = sao.load_genai_model(prepared, ep="webgpu", ep_options=ep_options)
             self.session = None
 

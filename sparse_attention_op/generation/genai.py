@@ -31,6 +31,7 @@ import shutil
 import tempfile
 import threading
 import uuid
+import warnings
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,7 +42,8 @@ from onnxruntime_extensions import get_library_path
 from sparse_attention_op.generation.model_files import GENAI_CONFIG
 from sparse_attention_op.ort.bridge import BRIDGE_FORMAT, register
 from sparse_attention_op.ort.graph import all_nodes, is_sparse_attention
-from sparse_attention_op.ort.model import bridge_format, load_constant_layouts, prepare_model
+from sparse_attention_op.ort.held_caches import hold_sparse_caches
+from sparse_attention_op.ort.model import bridge_format, is_bridge_node, load_constant_layouts, prepare_model
 from sparse_attention_op.ort.providers import WEBGPU_EP, ExecutionProviderError, require_ep, webgpu_plugin
 from sparse_attention_op.settings import SessionSettings
 
@@ -50,9 +52,15 @@ from sparse_attention_op.settings import SessionSettings
 RECORD_FILE = "sparse_attention_op.json"
 #: GenAI's name of the WebGPU EP in configs and Config.append_provider.
 GENAI_WEBGPU = "WebGPU"
+#: How GenAI's convention names every past input (past_key_values.{layer}.key/value).
+PAST_PREFIX = "past_key_values."
 
 
-def prepare_genai_folder(source, target, *, kv_check: str = "fast", overwrite: bool = False) -> Path:
+#: Who holds the SparseAttention layers' caches in a prepared folder.
+SPARSE_CACHES = ("graph", "op")
+
+
+def prepare_genai_folder(source, target, *, kv_check: str = "fast", sparse_caches: str = "graph", overwrite: bool = False) -> Path:
     """Write ``target``: the GenAI model folder ``source`` with SparseAttention run by this package.
 
     * Every ONNX model ``genai_config.json`` names (any ``filename`` under ``model``) that
@@ -65,12 +73,20 @@ def prepare_genai_folder(source, target, *, kv_check: str = "fast", overwrite: b
 
     ``kv_check``: ``"fast"`` (default; GenAI always feeds back what the model returned) or
     ``"exact"``; stamped into the models, so it holds whatever session loads them.
+    ``sparse_caches``: ``"graph"`` (default) leaves every cache a graph input and output,
+    which GenAI allocates and binds; ``"op"`` takes the SparseAttention layers' caches out of
+    the graph and lets each node hold its own (ort/held_caches.py), so that GenAI binds only
+    the other layers'. Under ORT's WebGPU EP, which GenAI gives every cache it binds, that
+    spares copying the SparseAttention caches between device and host on each step; it
+    gives up beam search and a caller's edits of those caches.
     ``overwrite``: replace an existing ``target`` (only a GenAI model folder or an empty
     folder). The folder appears complete or not at all. Before ``onnxruntime_genai.Model``
     opens it, the process must have called :func:`sparse_attention_op.register` (or use
     :func:`load_genai_model`). Returns ``target`` as a Path.
     """
     SessionSettings(kv_check=kv_check)  # raises SettingsError (a ValueError) naming the setting
+    if sparse_caches not in SPARSE_CACHES:
+        raise ValueError(f"sparse_caches must be one of {SPARSE_CACHES}, got {sparse_caches!r}")
     source, target = Path(source), Path(target)
     config = _read_config(source, "source")
     _check_target(source, target, overwrite)
@@ -92,6 +108,8 @@ def prepare_genai_folder(source, target, *, kv_check: str = "fast", overwrite: b
             # One token for the folder (its GPU state is freed as one), one scope per model:
             # two models' nodes of the same name and index must not share a cache.
             prepared = prepare_model(model, session_token=token, kv_check=kv_check, scope=f"{relative}#")
+            if sparse_caches == "op":
+                _hold_caches(prepared, relative)
             destination = staging / relative
             destination.parent.mkdir(parents=True, exist_ok=True)
             onnx.save(prepared, str(destination))
@@ -107,6 +125,7 @@ def prepare_genai_folder(source, target, *, kv_check: str = "fast", overwrite: b
         record = {
             "session_token": token,
             "kv_check": kv_check,
+            "sparse_caches": sparse_caches,
             "custom_ops_library": library.name,
             "models": rewritten,
             "bridge_format": BRIDGE_FORMAT,
@@ -120,6 +139,17 @@ def prepare_genai_folder(source, target, *, kv_check: str = "fast", overwrite: b
                 folder.rmdir()
         raise
     return target
+
+
+def _hold_caches(model: onnx.ModelProto, relative: str) -> None:
+    """sparse_caches="op" for one model: its SparseAttention nodes hold their caches."""
+    if not hold_sparse_caches(model, is_bridge_node):
+        raise ValueError(f"sparse_caches='op': no SparseAttention node of {relative} has pasts that are graph inputs of its own")
+    if not any(graph_input.name.startswith(PAST_PREFIX) for graph_input in model.graph.input):
+        raise ValueError(
+            f"sparse_caches='op' would leave {relative} no cache input, and ORT GenAI needs one: "
+            "keep sparse_caches='graph' for a model without other attention layers"
+        )
 
 
 def _missing_ancestors(folder: Path) -> list[Path]:
@@ -153,9 +183,11 @@ def load_genai_model(folder, *, ep: str = "cpu", ep_options: dict | None = None)
 
     ``ep="webgpu"`` runs the model's other nodes on ORT's WebGPU plugin EP: the plugin is
     registered with GenAI (which carries its own onnxruntime), and the decoder's providers
-    become that EP with ``ep_options``. GenAI then keeps every layer's cache on the EP's
-    device, the SparseAttention layers' too: ORT copies those to the host and back around
-    this package's op on every step (docs/genai.md measures what that costs).
+    become that EP with ``ep_options``. GenAI then keeps every cache it binds on the EP's
+    device: in a folder prepared with ``sparse_caches="graph"``, the SparseAttention layers'
+    too, which ORT then copies to the host and back around this package's op on every step
+    (a warning says so; docs/genai.md measures what that costs). ``sparse_caches="op"``
+    folders leave those caches to the op, in host memory.
 
     Checks first that the folder's library link is still the library this process loads (a
     folder copied with ``cp -r`` or moved to another filesystem holds a copy instead, which
@@ -196,6 +228,13 @@ def load_genai_model(folder, *, ep: str = "cpu", ep_options: dict | None = None)
     if ep == "cpu":
         model = og.Model(str(folder))
     else:
+        if record.get("sparse_caches", "graph") == "graph":
+            warnings.warn(
+                f"folder {folder}: its SparseAttention layers' caches are graph tensors, which GenAI keeps on the {ep} EP's "
+                "device: each step copies them to the host and back; prepare the folder with sparse_caches='op' to keep them "
+                "with the op",
+                stacklevel=2,
+            )
         model = og.Model(_webgpu_config(og, folder, ep_options))
     _track(model, record["session_token"])
     return model

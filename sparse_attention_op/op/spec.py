@@ -236,27 +236,8 @@ def describe_call(
 
 def describe_shapes(attributes: OpAttributes, shapes: Mapping[str, Shape | None]) -> ShapeFacts:
     """Every rule that the inputs' shapes decide, in the order the inputs come."""
-    nh, nkv = attributes.num_heads, attributes.kv_num_heads
-    query = shapes["query"]
-    if query is None or len(query) != 3:
-        _fail("query", f"must have rank 3 (batch, sequence, hidden), got shape {query}")
-    batch, seq_len, hidden = query
-    if batch < 1 or seq_len < 1:
-        _fail("query", f"batch and sequence dimensions must be at least 1, got shape {query}")
-
-    packed = shapes["key"] is None
-    if packed != (shapes["value"] is None):
-        _fail("value" if packed else "key", "key and value must both be given, or both absent for packed QKV")
-    if packed:
-        heads_total = nh + 2 * nkv
-        if hidden % heads_total:
-            _fail("query", f"packed QKV hidden size {hidden} must be a multiple of num_heads + 2 * kv_num_heads = {heads_total}")
-        head_size = hidden // heads_total
-    else:
-        if hidden % nh:
-            _fail("query", f"hidden size {hidden} must be a multiple of num_heads = {nh}")
-        head_size = hidden // nh
-    _check_head_size(head_size)
+    nkv = attributes.kv_num_heads
+    batch, seq_len, hidden, packed, head_size = _query_facts(attributes, shapes)
     if not packed:
         expected = (batch, seq_len, nkv * head_size)
         for name in ("key", "value"):
@@ -273,21 +254,10 @@ def describe_shapes(attributes: OpAttributes, shapes: Mapping[str, Shape | None]
     if shapes["past_value"] != past_key:
         _fail("past_value", f"must have past_key's shape {past_key}, got {shapes['past_value']}")
 
-    rows, cols = shapes["block_row_indices"], shapes["block_col_indices"]
-    if rows is None or len(rows) != 2 or rows[1] < 2:
-        _fail("block_row_indices", f"must have shape (num_layout, max_blocks + 1) with max_blocks >= 1, got {rows}")
-    num_layout, max_blocks = rows[0], rows[1] - 1
-    if num_layout < 1 or nh % num_layout:
-        _fail("block_row_indices", f"num_layout = {num_layout} must be >= 1 and divide num_heads = {nh}")
-    if cols is None or len(cols) != 2 or cols[0] != num_layout:
-        _fail("block_col_indices", f"must have shape (num_layout = {num_layout}, max_nnz), got {cols}")
-    max_nnz = cols[1]
-    if max_nnz > max_blocks * max_blocks:
-        _fail("block_col_indices", f"max_nnz = {max_nnz} must not exceed max_blocks^2 = {max_blocks * max_blocks}")
-
+    num_layout, max_blocks, max_nnz = _layout_facts(attributes, shapes)
     rotary_dim, max_rotary_len = _check_rotary(shapes, attributes, head_size)
 
-    for name, size in (("past_key", int(np.prod(past_key))), ("query", int(np.prod(query)))):
+    for name, size in (("past_key", int(np.prod(past_key))), ("query", batch * seq_len * hidden)):
         if size > MAX_INDEX:
             _fail(name, f"has {size} elements, more than 32-bit GPU indexing allows ({MAX_INDEX})")
 
@@ -305,6 +275,65 @@ def describe_shapes(attributes: OpAttributes, shapes: Mapping[str, Shape | None]
         rotary_dim=rotary_dim,
         max_rotary_len=max_rotary_len,
     )
+
+
+def held_cache_shape(attributes: OpAttributes, shapes: Mapping[str, Shape | None]) -> Shape:
+    """The shape of the cache a node holds itself, for a call whose ``past_key`` and
+    ``past_value`` are both absent: (batch, kv_num_heads, capacity, head_size), where the
+    capacity is the longest sequence the call's inputs allow: the layout's
+    max_blocks * sparse_block_size, and no more than cos_cache's rows with rotary. The rules
+    for the other inputs' shapes run as usual afterwards, on this shape as the past's."""
+    for name, other in (("past_key", "past_value"), ("past_value", "past_key")):
+        if shapes[name] is not None:
+            _fail(name, f"must be absent when {other} is (the node then holds its cache itself), or both given")
+    batch, _, _, _, head_size = _query_facts(attributes, shapes)
+    _, max_blocks, _ = _layout_facts(attributes, shapes)
+    capacity = max_blocks * attributes.sparse_block_size
+    if attributes.do_rotary:
+        capacity = min(capacity, _check_rotary(shapes, attributes, head_size)[1])
+    return (batch, attributes.kv_num_heads, capacity, head_size)
+
+
+def _query_facts(attributes: OpAttributes, shapes: Mapping[str, Shape | None]) -> tuple[int, int, int, bool, int]:
+    """(batch, sequence, hidden, packed QKV, head_size) after the query's rules."""
+    nh, nkv = attributes.num_heads, attributes.kv_num_heads
+    query = shapes["query"]
+    if query is None or len(query) != 3:
+        _fail("query", f"must have rank 3 (batch, sequence, hidden), got shape {query}")
+    batch, seq_len, hidden = query
+    if batch < 1 or seq_len < 1:
+        _fail("query", f"batch and sequence dimensions must be at least 1, got shape {query}")
+    packed = shapes["key"] is None
+    if packed != (shapes["value"] is None):
+        _fail("value" if packed else "key", "key and value must both be given, or both absent for packed QKV")
+    if packed:
+        heads_total = nh + 2 * nkv
+        if hidden % heads_total:
+            _fail("query", f"packed QKV hidden size {hidden} must be a multiple of num_heads + 2 * kv_num_heads = {heads_total}")
+        head_size = hidden // heads_total
+    else:
+        if hidden % nh:
+            _fail("query", f"hidden size {hidden} must be a multiple of num_heads = {nh}")
+        head_size = hidden // nh
+    _check_head_size(head_size)
+    return batch, seq_len, hidden, packed, head_size
+
+
+def _layout_facts(attributes: OpAttributes, shapes: Mapping[str, Shape | None]) -> tuple[int, int, int]:
+    """(num_layout, max_blocks, max_nnz) after the layout's shape rules."""
+    nh = attributes.num_heads
+    rows, cols = shapes["block_row_indices"], shapes["block_col_indices"]
+    if rows is None or len(rows) != 2 or rows[1] < 2:
+        _fail("block_row_indices", f"must have shape (num_layout, max_blocks + 1) with max_blocks >= 1, got {rows}")
+    num_layout, max_blocks = rows[0], rows[1] - 1
+    if num_layout < 1 or nh % num_layout:
+        _fail("block_row_indices", f"num_layout = {num_layout} must be >= 1 and divide num_heads = {nh}")
+    if cols is None or len(cols) != 2 or cols[0] != num_layout:
+        _fail("block_col_indices", f"must have shape (num_layout = {num_layout}, max_nnz), got {cols}")
+    max_nnz = cols[1]
+    if max_nnz > max_blocks * max_blocks:
+        _fail("block_col_indices", f"max_nnz = {max_nnz} must not exceed max_blocks^2 = {max_blocks * max_blocks}")
+    return num_layout, max_blocks, max_nnz
 
 
 def describe_lengths(facts: ShapeFacts, total_sequence_length: np.ndarray, key_total_sequence_lengths: np.ndarray) -> CallShape:

@@ -42,6 +42,7 @@ from sparse_attention_op.op.spec import (
     OpAttributes,
     SparseAttentionCall,
     SparseAttentionError,
+    SparseAttentionInputError,
     assemble_call,
     describe_lengths,
     describe_shapes,
@@ -50,6 +51,7 @@ from sparse_attention_op.op.spec import (
 from sparse_attention_op.ort import custom_op
 from sparse_attention_op.ort import extensions as _ortx_compat
 from sparse_attention_op.ort.custom_op import FLOAT, FLOAT16, INT32, OpDeclaration, Slot
+from sparse_attention_op.ort.held_caches import held_caches
 from sparse_attention_op.ort.presents import copy_past, write_rows
 from sparse_attention_op.settings import SessionSettings, SettingsError
 from sparse_attention_op.webgpu.executor import get_executor
@@ -81,7 +83,7 @@ _ATTRIBUTES = (
     (SETTINGS_ATTRIBUTE, str),
 )
 _QUERY, _KEY, _VALUE, _PAST_KEY, _PAST_VALUE, _ROWS, _COLS, _TOTAL, _KEY_TOTALS, _COS, _SIN = range(len(INPUT_NAMES))
-_OPTIONAL = (_KEY, _VALUE, _COS, _SIN)
+_OPTIONAL = (_KEY, _VALUE, _PAST_KEY, _PAST_VALUE, _COS, _SIN)  # pasts: absent when the node holds its cache
 
 log = logging.getLogger(__name__)
 
@@ -230,9 +232,16 @@ def _drop_locals(error: BaseException) -> None:
 def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
     start = time.perf_counter()
     tensors = context.inputs()
+    held = None
+    if tensors[_PAST_KEY] is None or tensors[_PAST_VALUE] is None:
+        # A node without pasts holds its cache itself (held_caches.py): it stands in for them.
+        held = held_caches.for_call(kernel.node_key, kernel.attributes, _shapes_by_name(tensors), kernel.dtype)
+        tensors[_PAST_KEY], tensors[_PAST_VALUE] = held.key, held.value
     shapes = tuple([None if tensors[i] is None else tensors[i].shape for i in _SHAPED_SLOTS])  # (a list is cheaper to build than a generator)
     shape = _describe(kernel, shapes, tensors[_TOTAL], tensors[_KEY_TOTALS])
     past_key, past_value = tensors[_PAST_KEY], tensors[_PAST_VALUE]
+    if held is not None:
+        held.check(shape)
     rotary = shape.attributes.do_rotary
     settings = kernel.settings
     executor = get_executor()  # (made on the first call: the GPU is touched then, not at import)
@@ -245,6 +254,11 @@ def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
     # where the types agree (no host copy of it at all).
     output = context.output(0, shape.output_shape)
     presents = [context.output(index, shape.cache_shape) for index in (1, 2)]
+    if held is not None:
+        if presents != [None, None]:
+            name = "present_key" if presents[0] is not None else "present_value"
+            raise SparseAttentionInputError(name, "must be absent when past_key and past_value are (the node holds its cache itself)")
+        presents = [held.key, held.value]  # the new rows go in place, as into a shared past/present buffer
     direct = output if output is not None and not kernel.float16 else None
 
     def while_gpu_runs():
@@ -310,9 +324,15 @@ def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
         output[...] = result.output
     if presents[0] is not None and rotary:  # the keys as the GPU rotated them
         write_rows(presents[0], shape, result.new_key)
+    if held is not None:
+        held.advance(shape)
     phases = result.stats.phases
     phases["inputs"], phases["outputs"] = inputs_done - start, time.perf_counter() - outputs_start
     records.record_stats(kernel.token, kernel.node_key, result.stats)
+
+
+def _shapes_by_name(tensors: list) -> dict:
+    return {name: None if tensors[i] is None else tensors[i].shape for name, i in zip(SHAPED_INPUTS, _SHAPED_SLOTS)}
 
 
 def _as_is(array):
@@ -356,5 +376,8 @@ def forget_session(token: str, kernels: bool = True) -> None:
     model collected while a generator still runs its sessions)."""
     records.close(token)
     if kernels:
+        # Held caches go with the kernels: a GenAI generator may still run a collected model's
+        # sessions (and a reload of its folder, which keeps its token, finds them again).
+        held_caches.forget(token)
         for op_type in OP_TYPES.values():
             custom_op.forget_kernels(op_type, lambda kernel: kernel.token == token)

@@ -71,7 +71,7 @@ def prepare_model(
 _FORMAT_2_DOMAIN = "ai.sparse_attention_op"
 
 
-def _is_bridge_node(node: onnx.NodeProto) -> bool:
+def is_bridge_node(node: onnx.NodeProto) -> bool:
     return (node.domain == BRIDGE_DOMAIN and node.op_type in OP_TYPES.values()) or node.domain == _FORMAT_2_DOMAIN
 
 
@@ -94,7 +94,7 @@ def load_for_session(model: ModelLike) -> tuple[onnx.ModelProto, Path | None]:
 def bridge_format(model: onnx.ModelProto) -> int | None:
     """The bridge format a prepared model was written for; None for a model without the
     bridge's ops. Models prepared before the format was recorded are format 1."""
-    if not any(_is_bridge_node(node) for graph in all_graphs(model.graph) for node in graph.node):
+    if not any(is_bridge_node(node) for graph in all_graphs(model.graph) for node in graph.node):
         return None
     stamped = {entry.key: entry.value for entry in model.metadata_props}.get(FORMAT_KEY, "1")
     return int(stamped) if stamped.isdigit() else 0
