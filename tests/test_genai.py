@@ -511,3 +511,14 @@ def test_held_caches_are_refused_without_another_cache(tmp_path):
     assert not (tmp_path / "held").exists()
     with pytest.raises(ValueError, match="sparse_caches must be one of"):
         sao.prepare_genai_folder(source, tmp_path / "held", sparse_caches="device")
+
+
+def test_generate_runs_a_held_model(source, prompts, ort_kernel_tokens, tmp_path):
+    """sparse_attention_op.generate binds the caches a model has as inputs and no others."""
+    from sparse_attention_op.generation.loop import generate
+
+    held = sao.prepare_genai_folder(source, tmp_path / "held", sparse_caches="op")
+    sao.register()
+    session = ort.InferenceSession(str(held / "model.onnx"), sao.session_options())
+    tokens = generate(session, prompts.tolist(), NEW_TOKENS).tokens
+    assert [list(map(int, row)) for row in tokens] == ort_kernel_tokens

@@ -17,9 +17,11 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-import sparse_attention_op as sao
+from sparse_attention_op.generation.genai import load_genai_model, prepare_genai_folder
+from sparse_attention_op.generation.loop import generate
 from sparse_attention_op.generation.model_files import resolve
 from sparse_attention_op.ort.providers import add_ep
+from sparse_attention_op.ort.session import create_session
 
 CONFIGS = {
     "a": "ORT CPU EP alone",
@@ -46,23 +48,23 @@ class Runner:
         if config == "a":
             self.session = ort.InferenceSession(path, sess_options, providers=["CPUExecutionProvider"])
         elif config == "b":
-            self.session = sao.create_session(path, sess_options, kv_check="fast")
+            self.session = create_session(path, sess_options, kv_check="fast")
         elif config == "c":
             options = sess_options or ort.SessionOptions()
             add_ep(options, "webgpu", ep_options)
             self.session = ort.InferenceSession(path, options)
         elif config == "d":
-            self.session = sao.create_session(path, sess_options, kv_check="fast", ep="webgpu", ep_options=ep_options)
+            self.session = create_session(path, sess_options, kv_check="fast", ep="webgpu", ep_options=ep_options)
         else:
             self._staging = tempfile.TemporaryDirectory(prefix="genai-", dir=folder.parent)
-            prepared = sao.prepare_genai_folder(folder, Path(self._staging.name) / "prepared", sparse_caches="op")
-            self.model = sao.load_genai_model(prepared, ep="webgpu", ep_options=ep_options)
+            prepared = prepare_genai_folder(folder, Path(self._staging.name) / "prepared", sparse_caches="op")
+            self.model = load_genai_model(prepared, ep="webgpu", ep_options=ep_options)
             self.session = None
 
     def generate(self, prompt: list[int], new_tokens: int) -> tuple[list[int], float, list[float]]:
         """(new tokens, prompt seconds, decode step seconds)."""
         if self.session is not None:
-            result = sao.generate(self.session, [prompt], new_tokens, stop_tokens=())
+            result = generate(self.session, [prompt], new_tokens, stop_tokens=())
             return result.tokens[0], result.prompt_seconds, result.step_seconds
         import onnxruntime_genai as og
 

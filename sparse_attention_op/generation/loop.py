@@ -130,7 +130,7 @@ class GenerationResult:
 class _DecoderIO:
     """The model's inputs and outputs in the GenAI convention, with the caches' shapes."""
 
-    layers: int
+    layers: tuple[int, ...]  # the layers whose caches are graph inputs (a held cache is none: ort/held_caches.py)
     kv_heads: int
     head_size: int
     cache_dtype: np.dtype
@@ -161,15 +161,16 @@ class _DecoderIO:
             match = _PAST.match(name)
             if match:
                 pasts[(int(match.group(1)), match.group(2))] = graph_input
-        layers = 1 + max((layer for layer, _ in pasts), default=-1)
-        if layers == 0:
+        layers = tuple(sorted({layer for layer, _ in pasts}))
+        if not layers:
             raise GenerationError("the model has no input 'past_key_values.0.key': generate needs a decoder with a KV cache")
         shapes, rows = set(), set()
-        for layer in range(layers):
+        for layer in layers:
             for kind in ("key", "value"):
                 graph_input = pasts.get((layer, kind))
                 if graph_input is None:
-                    raise GenerationError(f"the model has no input 'past_key_values.{layer}.{kind}' (layers 0..{layers - 1} need one each)")
+                    other = "value" if kind == "key" else "key"
+                    raise GenerationError(f"the model has no input 'past_key_values.{layer}.{kind}' for its 'past_key_values.{layer}.{other}'")
                 present = PRESENT.format(layer=layer, kind=kind)
                 if present not in outputs:
                     raise GenerationError(f"the model has no output '{present}' for input '{graph_input.name}'")
@@ -384,7 +385,7 @@ class _Loop:
         self._binding = session.io_binding()
         self._binding.bind_output(LOGITS)  # bound first: get_outputs()[0], rebinding keeps its place
         device_layers = device_layers or frozenset()
-        for layer in range(io.layers):
+        for layer in io.layers:
             for kind in ("key", "value"):
                 array = np.zeros(shape, io.cache_dtype)
                 value = ort.OrtValue.ortvalue_from_numpy(array)
