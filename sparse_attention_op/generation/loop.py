@@ -301,7 +301,8 @@ def generate(
     logits = loop.step(ids, lengths)
     vocab = logits.shape[-1]
     _check_ids(rows, stops, pad_token_id, vocab)
-    last = logits[np.arange(len(rows)), lengths - 1]
+    last = logits[np.arange(len(rows)), lengths - 1].astype(np.float32)
+    del logits  # the whole prompt's: ORT's buffer may go
     generated: list[list[int]] = [[] for _ in rows]
     done = [False] * len(rows)
     prompt_seconds, step_seconds = time.perf_counter() - start, []
@@ -322,7 +323,7 @@ def generate(
         start = time.perf_counter()
         feed = np.array([pad_token_id if d else t for t, d in zip(chosen, done)], np.int64)[:, None]
         lengths = lengths + 1
-        last = loop.step(feed, lengths)[:, -1]
+        last = loop.step(feed, lengths)[:, -1].astype(np.float32)
         step_seconds.append(time.perf_counter() - start)
     reasons = ["stop" if d else "length" for d in done]
     return GenerationResult(generated, [len(r) for r in rows], reasons, prompt_seconds, step_seconds)
@@ -353,7 +354,8 @@ def prompt_logits(
     rows = _prompt_rows(prompts, None)
     ids, lengths = _right_padded(rows, pad_token_id)
     io = _DecoderIO.of(session)
-    return _Loop(session, io, len(rows), _capacity(io, None, ids.shape[1]), _device_layers(session)).step(ids, lengths), ids, lengths
+    loop = _Loop(session, io, len(rows), _capacity(io, None, ids.shape[1]), _device_layers(session))
+    return loop.step(ids, lengths).astype(np.float32), ids, lengths
 
 
 def _right_padded(rows: list[list[int]], pad_token_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -399,7 +401,8 @@ class _Loop:
 
     def step(self, ids: np.ndarray, key_totals: np.ndarray) -> np.ndarray:
         """Run the model on ``ids`` (batch, seq), row b's tokens ending at position
-        key_totals[b]; the logits, float32 (batch, seq, vocab)."""
+        key_totals[b]; the logits (batch, seq, vocab) in the model's type, in ORT's buffer
+        (a prompt's are hundreds of MB: convert only the rows you read)."""
         batch, seq = ids.shape
         width = int(key_totals.max())
         mask = (np.arange(width)[None, :] < key_totals[:, None]).astype(np.int64)
@@ -414,7 +417,7 @@ class _Loop:
             binding.bind_cpu_input(POSITION_IDS, positions.astype(positions_dtype))
         binding.bind_output(LOGITS)  # ORT allocates it: its shape changes between prompt and decode
         self.session.run_with_iobinding(binding)
-        return binding.get_outputs()[0].numpy().astype(np.float32, copy=False)
+        return binding.get_outputs()[0].numpy()
 
 
 def _session(model, kv_check: str, ep: str, ep_options: dict | None) -> tuple[ort.InferenceSession, dict]:
