@@ -246,3 +246,31 @@ def test_symbolic_cache_dims_int32_ids_and_position_ids(rng, tmp_path, capsys):
     )
     out = capsys.readouterr().out
     assert code == 0 and "identical tokens" in out, out
+
+
+@pytest.mark.parametrize("name", ["phi3-small-tiny", "phi3-small-tiny-f16"])
+def test_last_logits_are_the_rows_generate_reads(rng, name):
+    """create_session(last_logits=True): the logits head sees each row's last token only,
+    and gives that row's logits as the whole head does (a ragged batch: rows end apart)."""
+    path = MODELS / name / "model.onnx"
+    whole = sao.create_session(str(path), kv_check="fast")
+    trimmed = sao.create_session(str(path), kv_check="fast", last_logits=True)
+    assert "sao_logits_positions" in {i.name for i in trimmed.get_inputs()}
+    prompts = prompts_of(rng, (37, 20))
+    full, _, lengths = prompt_logits(whole, prompts)
+    io = _DecoderIO.of(trimmed)
+    assert io.last_logits
+    ids = np.array([p + [0] * (37 - len(p)) for p in prompts], np.int64)
+    last = _Loop(trimmed, io, 2, 64).last(ids, lengths)
+    expected = full[np.arange(2), lengths - 1]
+    np.testing.assert_allclose(last, expected, rtol=1e-3, atol=1e-2 if name.endswith("f16") else 1e-4)
+    assert generate(trimmed, prompts, 12).tokens == generate(whole, prompts, 12).tokens
+    with pytest.raises(GenerationError, match="one position per row"):
+        prompt_logits(trimmed, prompts)
+
+
+def test_last_logits_needs_a_logits_head(rng):
+    config = CaseConfig(seq_len=4, max_cache_len=32)
+    model = sparse_attention_model(config.node_attributes(), random_inputs(config, rng))
+    with pytest.raises(ValueError, match="last_logits: the model has no output 'logits'"):
+        sao.create_session(model, last_logits=True)

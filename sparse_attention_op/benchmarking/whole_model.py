@@ -48,13 +48,13 @@ class Runner:
         if config == "a":
             self.session = ort.InferenceSession(path, sess_options, providers=["CPUExecutionProvider"])
         elif config == "b":
-            self.session = create_session(path, sess_options, kv_check="fast")
+            self.session = create_session(path, sess_options, kv_check="fast", last_logits=True)
         elif config == "c":
             options = sess_options or ort.SessionOptions()
             add_ep(options, "webgpu", ep_options)
             self.session = ort.InferenceSession(path, options)
         elif config == "d":
-            self.session = create_session(path, sess_options, kv_check="fast", ep="webgpu", ep_options=ep_options)
+            self.session = create_session(path, sess_options, kv_check="fast", ep="webgpu", ep_options=ep_options, last_logits=True)
         else:
             self._staging = tempfile.TemporaryDirectory(prefix="genai-", dir=folder.parent)
             prepared = prepare_genai_folder(folder, Path(self._staging.name) / "prepared", sparse_caches="op")

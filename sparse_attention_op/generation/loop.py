@@ -40,6 +40,7 @@ from sparse_attention_op.ort.graph import (
     node_attributes,
 )
 from sparse_attention_op.ort.io_binding import device_pasts, on_device
+from sparse_attention_op.ort.last_logits import LOGITS_POSITIONS, logits_head
 from sparse_attention_op.ort.model import load_for_session
 from sparse_attention_op.ort.providers import require_ep, session_ep
 from sparse_attention_op.settings import SessionSettings, SettingsError
@@ -139,6 +140,7 @@ class _DecoderIO:
     vocab_size: int | None  # logits' last dim where the model fixes it
     static_rows: int | None  # the rows every past declares, for a model exported with a static KV cache
     id_dtypes: tuple[np.dtype, np.dtype, np.dtype]  # input_ids, attention_mask, position_ids (int64 or int32)
+    last_logits: bool  # the logits are computed at one chosen position per row (ort/last_logits.py)
 
     @staticmethod
     def of(session: ort.InferenceSession, hints: dict | None = None) -> _DecoderIO:
@@ -195,7 +197,7 @@ class _DecoderIO:
         dtypes = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
         if type_name not in dtypes:
             raise GenerationError(f"past caches of type {type_name} are not supported (float or float16)")
-        known = {INPUT_IDS, ATTENTION_MASK, POSITION_IDS} | {i.name for i in pasts.values()}
+        known = {INPUT_IDS, ATTENTION_MASK, POSITION_IDS, LOGITS_POSITIONS} | {i.name for i in pasts.values()}
         integers = {"tensor(int64)": np.dtype(np.int64), "tensor(int32)": np.dtype(np.int32)}
         id_dtypes = []
         for name in (INPUT_IDS, ATTENTION_MASK, POSITION_IDS):
@@ -213,6 +215,7 @@ class _DecoderIO:
             vocab if isinstance(vocab, int) else None,
             static_rows,
             tuple(id_dtypes),
+            LOGITS_POSITIONS in inputs,
         )
 
 
@@ -298,11 +301,8 @@ def generate(
     ids, lengths = _right_padded(rows, pad_token_id)
 
     start = time.perf_counter()
-    logits = loop.step(ids, lengths)
-    vocab = logits.shape[-1]
-    _check_ids(rows, stops, pad_token_id, vocab)
-    last = logits[np.arange(len(rows)), lengths - 1].astype(np.float32)
-    del logits  # the whole prompt's: ORT's buffer may go
+    last = loop.last(ids, lengths)
+    _check_ids(rows, stops, pad_token_id, last.shape[-1])
     generated: list[list[int]] = [[] for _ in rows]
     done = [False] * len(rows)
     prompt_seconds, step_seconds = time.perf_counter() - start, []
@@ -323,7 +323,7 @@ def generate(
         start = time.perf_counter()
         feed = np.array([pad_token_id if d else t for t, d in zip(chosen, done)], np.int64)[:, None]
         lengths = lengths + 1
-        last = loop.step(feed, lengths)[:, -1].astype(np.float32)
+        last = loop.last(feed, lengths)
         step_seconds.append(time.perf_counter() - start)
     reasons = ["stop" if d else "length" for d in done]
     return GenerationResult(generated, [len(r) for r in rows], reasons, prompt_seconds, step_seconds)
@@ -354,6 +354,10 @@ def prompt_logits(
     rows = _prompt_rows(prompts, None)
     ids, lengths = _right_padded(rows, pad_token_id)
     io = _DecoderIO.of(session)
+    if io.last_logits:
+        raise GenerationError(
+            f"the session computes logits at one position per row (its model takes '{LOGITS_POSITIONS}'): make one without last_logits"
+        )
     loop = _Loop(session, io, len(rows), _capacity(io, None, ids.shape[1]), _device_layers(session))
     return loop.step(ids, lengths).astype(np.float32), ids, lengths
 
@@ -415,9 +419,21 @@ class _Loop:
             first = np.zeros_like(key_totals) if width == seq else key_totals - seq
             positions = first[:, None] + np.arange(seq)[None, :]
             binding.bind_cpu_input(POSITION_IDS, positions.astype(positions_dtype))
+        if self.io.last_logits:
+            # Each row's last token of this call: a prompt's ends at key_totals - 1, a step's token is its only one.
+            binding.bind_cpu_input(LOGITS_POSITIONS, (key_totals - 1 if width == seq else np.full(batch, seq - 1)).astype(np.int64))
         binding.bind_output(LOGITS)  # ORT allocates it: its shape changes between prompt and decode
         self.session.run_with_iobinding(binding)
         return binding.get_outputs()[0].numpy()
+
+    def last(self, ids: np.ndarray, key_totals: np.ndarray) -> np.ndarray:
+        """:meth:`step`, keeping the logits of each row's last token: float32 (batch, vocab)."""
+        logits = self.step(ids, key_totals)
+        rows = np.arange(len(ids))
+        if self.io.last_logits:
+            return logits[rows, rows].astype(np.float32)  # row b's chosen position is logits[b, b]
+        ends = key_totals - 1 if ids.shape[1] == int(key_totals.max()) else np.full(len(ids), ids.shape[1] - 1)
+        return logits[rows, ends].astype(np.float32)
 
 
 def _session(model, kv_check: str, ep: str, ep_options: dict | None) -> tuple[ort.InferenceSession, dict]:
@@ -433,7 +449,10 @@ def _session(model, kv_check: str, ep: str, ep_options: dict | None) -> tuple[or
         model = resolve(model).onnx_path  # an ORT GenAI folder: its decoder
     proto, _ = load_for_session(model)  # the weights stay in their files
     kv_heads, head_size = cache_dims_of(proto)
-    session = create_session(model if isinstance(model, (str, os.PathLike)) else proto, kv_check=kv_check, ep=ep, ep_options=ep_options)
+    source = model if isinstance(model, (str, os.PathLike)) else proto
+    # The logits generate reads, where the model's head allows: a prompt's whole logits are hundreds of MB.
+    trim = logits_head(proto) is not None
+    session = create_session(source, kv_check=kv_check, ep=ep, ep_options=ep_options, last_logits=trim)
     hints = {
         "kv_heads": kv_heads,
         "head_size": head_size,
@@ -635,7 +654,7 @@ def divergences(
         if io is None:
             io, device_layers = _DecoderIO.of(reference, hints), _device_layers(reference)
         loop = _Loop(reference, io, 1, _capacity(io, None, len(context)), device_layers)
-        logits = loop.step(np.array([context], np.int64), np.array([len(context)]))[0, -1].astype(np.float64)
+        logits = loop.last(np.array([context], np.int64), np.array([len(context)]))[0].astype(np.float64)
         top = float(np.abs(logits).max())
         if io.cache_dtype == np.float16:
             resolution = 2 * 2.0 ** (np.floor(np.log2(max(top, 2.0**-14))) - 10)

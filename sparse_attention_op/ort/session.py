@@ -13,6 +13,7 @@ from onnxruntime_extensions import get_library_path
 from sparse_attention_op.op.spec import SparseAttentionError
 from sparse_attention_op.ort.bridge import forget_session, records, register
 from sparse_attention_op.ort.graph import ModelLike
+from sparse_attention_op.ort.last_logits import trim_logits
 from sparse_attention_op.ort.model import load_for_session, prepare_model
 from sparse_attention_op.ort.providers import add_ep, require_ep, webgpu_plugin
 from sparse_attention_op.settings import SessionSettings
@@ -166,6 +167,7 @@ def create_session(
     f16_cache: bool = True,
     ep: str = "cpu",
     ep_options: dict | None = None,
+    last_logits: bool = False,
 ) -> SparseAttentionSession:
     """Load ``model`` (path, bytes or ModelProto) into an InferenceSession with WebGPU SparseAttention.
 
@@ -191,6 +193,9 @@ def create_session(
     of its own, which per-dispatch times count once per dispatch (see
     :meth:`SparseAttentionSession.last_stats`).
     ``f16_cache`` keeps float16 models' GPU caches in f16 where the adapter allows (lossless).
+    ``last_logits=True`` computes a decoder's ``logits`` only at the positions an added input
+    names, one per batch row (ort/last_logits.py): what :func:`generate` reads, without a
+    prompt's whole logits (1.6 GB for 8k tokens of Phi-3-small) to compute and copy.
     Model-level faults raise :class:`~sparse_attention_op.op.spec.SparseAttentionError` here;
     call-level faults raise it from ``run``, and the session keeps working afterwards.
     """
@@ -203,6 +208,8 @@ def create_session(
     source, external_folder = load_for_session(model)
     token = uuid.uuid4().hex
     prepared = prepare_model(source, session_token=token, kv_check=settings.kv_check, profile=settings.profile, f16_cache=settings.f16_cache)
+    if last_logits:
+        trim_logits(prepared)
     options = session_options(sess_options)
     add_ep(options, ep, ep_options)
     _point_at_weights(options, external_folder)
