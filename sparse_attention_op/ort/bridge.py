@@ -18,7 +18,8 @@ buffer ORT gives it: no tensor is copied to cross, whatever its size (docs/desig
 3. ``output`` is written, and ``present_key``/``present_value`` are built: the past (unless
    the caller bound past and present to one buffer, as ORT GenAI does: then it is already
    there) with the call's new rows written at ``past + t``; the keys as the GPU rotated them,
-   so the presents and the GPU cache hold the same bits.
+   so the presents and the GPU cache hold the same bits. A node whose pasts and presents are
+   absent holds its cache itself (held_caches.py), which stands in for both.
 
 A refused call raises out of the kernel: ORT answers ``run`` with an error whose message is
 the rule (a session of create_session raises the op's own exception instead), and the
