@@ -737,3 +737,22 @@ def test_record_fast_paths_equal_the_general_ones(rng, head_size, itemsize, batc
             expected = [(h, max(past - LAST_ROWS + r, 0)) for h in range(heads) for r in range(LAST_ROWS)]
             expected += [((i + total) % heads, min(int((i + phase) * past / SPREAD_ROWS), past - 1)) for i in range(SPREAD_ROWS)]
             assert [tuple(p) for p in probes[b].tolist()] == expected, (past_lengths, b)
+
+
+def test_large_float16_conversions_go_through_reused_buffers():
+    """A float16 prompt's tensors are converted over the host's threads into a buffer kept per
+    name and thread: the same values as numpy's, and no fresh array per call."""
+    from sparse_attention_op.webgpu import host_threads
+
+    rng = np.random.default_rng(7)
+    query = rng.standard_normal((1, 600, 6144)).astype(np.float16)  # 7 MB: above the parallel threshold
+    first = host_threads.as_float32(query, "query")
+    np.testing.assert_array_equal(first, query.astype(np.float32))
+    again = host_threads.as_float32(query[:, :400], "query")
+    assert np.shares_memory(first, again), "the second conversion reuses the first one's buffer"
+    np.testing.assert_array_equal(again, query[:, :400].astype(np.float32))
+    small = rng.standard_normal((1, 1, 6144)).astype(np.float16)
+    assert not np.shares_memory(host_threads.as_float32(small, "query"), first)
+    output = np.empty((1, 600, 6144), np.float16)
+    host_threads.copy_flat(output, first)
+    np.testing.assert_array_equal(output, first.astype(np.float16))

@@ -55,6 +55,7 @@ from sparse_attention_op.ort.custom_op import FLOAT, FLOAT16, INT32, OpDeclarati
 from sparse_attention_op.ort.held_caches import held_caches
 from sparse_attention_op.ort.presents import copy_past, write_rows
 from sparse_attention_op.settings import SessionSettings, SettingsError
+from sparse_attention_op.webgpu import host_threads
 from sparse_attention_op.webgpu.executor import get_executor
 
 #: Domain of the bridge's op: onnxruntime-extensions' own, under which its library
@@ -248,8 +249,8 @@ def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
     executor = get_executor()  # (made on the first call: the GPU is touched then, not at import)
     known_layout = kernel.constant_layout and executor.knows_layout(kernel.node_key)
     as_f32 = _float32 if kernel.float16 else _as_is
-    query = as_f32(tensors[_QUERY])
-    key, value = (None, None) if shape.packed_qkv else (as_f32(tensors[_KEY]), as_f32(tensors[_VALUE]))
+    query = as_f32(tensors[_QUERY], "query")
+    key, value = (None, None) if shape.packed_qkv else (as_f32(tensors[_KEY], "key"), as_f32(tensors[_VALUE], "value"))
     # Every output buffer before any GPU work: a bound output of the wrong shape is ORT's
     # error at this point, with nothing done. The output goes straight into ORT's buffer
     # where the types agree (no host copy of it at all).
@@ -290,8 +291,8 @@ def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
             value,
             past_key[:, :, :history],
             past_value[:, :, :history],
-            as_f32(tensors[_COS][positions]) if rotary else None,
-            as_f32(tensors[_SIN][positions]) if rotary else None,
+            as_f32(tensors[_COS][positions], "cos") if rotary else None,
+            as_f32(tensors[_SIN][positions], "sin") if rotary else None,
             None if known_layout else tensors[_ROWS],
             None if known_layout else tensors[_COLS],
             float16_storage=kernel.float16,
@@ -322,7 +323,7 @@ def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
         result = executor.run(make_call(), kernel.node_key, settings, reuse_host_arrays=True, output=direct, while_gpu_runs=while_gpu_runs)
     outputs_start = time.perf_counter()
     if output is not None and direct is None:
-        output[...] = result.output
+        host_threads.copy_flat(output, result.output)
     if presents[0] is not None and rotary:  # the keys as the GPU rotated them
         write_rows(presents[0], shape, result.new_key)
     if held is not None:
@@ -336,12 +337,13 @@ def _shapes_by_name(tensors: list) -> dict:
     return {name: None if tensors[i] is None else tensors[i].shape for name, i in zip(SHAPED_INPUTS, _SHAPED_SLOTS)}
 
 
-def _as_is(array):
+def _as_is(array, name: str):
     return array
 
 
-def _float32(array):
-    return None if array is None else array.astype(np.float32)
+def _float32(array, name: str):
+    """A float16 node's tensor as the executor takes it (a prompt's, into a reused buffer)."""
+    return None if array is None else host_threads.as_float32(array, name)
 
 
 def _declaration(dtype: np.dtype) -> OpDeclaration:

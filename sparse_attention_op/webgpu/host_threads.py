@@ -10,6 +10,7 @@ than it saves.
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -18,6 +19,7 @@ import numpy as np
 PARALLEL_BYTES = 4 << 20
 
 _pool: ThreadPoolExecutor | None = None
+_scratch = threading.local()
 
 
 def workers() -> int:
@@ -47,3 +49,28 @@ def copy(destination: np.ndarray, source: np.ndarray) -> None:
         return
     ranges = split(destination.shape[0], workers())
     list(pool().map(lambda r: np.copyto(destination[r[0] : r[1]], source[r[0] : r[1]], casting="same_kind"), ranges))
+
+
+def copy_flat(destination: np.ndarray, source: np.ndarray) -> None:
+    """destination[...] = source for C-contiguous arrays of one shape, split over the pool
+    whatever the shape (:func:`copy` splits the first axis, which is often the batch of 1)."""
+    if destination.flags.c_contiguous and source.flags.c_contiguous:
+        copy(destination.reshape(-1), source.reshape(-1))
+    else:
+        copy(destination, source)
+
+
+def as_float32(array: np.ndarray, name: str) -> np.ndarray:
+    """``array`` converted to float32. A large one goes into a buffer this thread keeps under
+    ``name`` and reuses, converted over the pool: a fresh array of hundreds of MB is slow to
+    fault in, and numpy converts float16 on one core. That result stays valid until the next
+    call with the same ``name`` on this thread."""
+    if array.nbytes < PARALLEL_BYTES:
+        return array.astype(np.float32)
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    buffer = buffers.get(name)
+    if buffer is None or buffer.size < array.size:
+        buffer = buffers[name] = np.empty(array.size, np.float32)
+    converted = buffer[: array.size].reshape(array.shape)
+    copy_flat(converted, array)
+    return converted
