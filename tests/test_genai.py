@@ -522,3 +522,38 @@ def test_generate_runs_a_held_model(source, prompts, ort_kernel_tokens, tmp_path
     session = ort.InferenceSession(str(held / "model.onnx"), sao.session_options())
     tokens = generate(session, prompts.tolist(), NEW_TOKENS).tokens
     assert [list(map(int, row)) for row in tokens] == ort_kernel_tokens
+
+
+def test_a_held_node_keeps_its_sequence_through_a_refused_call_and_names_a_present(source, prompts, tmp_path):
+    """A call refused on a held node (another batch, continuing a sequence the node lacks)
+    leaves the sequence it holds in place; a held node asked for a present is refused by name."""
+    held = sao.prepare_genai_folder(source, tmp_path / "held", sparse_caches="op")
+    sao.register()
+    session = ort.InferenceSession(str(held / "model.onnx"), sao.session_options())
+    past = 10
+
+    def feeds(ids, cache_rows):
+        batch = len(ids)
+        zeros = np.zeros((batch, CONFIG.kv_num_heads, cache_rows, CONFIG.head_size), np.float32)
+        width = cache_rows + ids.shape[1]
+        return {
+            "input_ids": ids.astype(np.int64),
+            "attention_mask": np.ones((batch, width), np.int64),
+            "past_key_values.2.key": zeros,
+            "past_key_values.2.value": zeros,
+        }
+
+    session.run(["logits"], feeds(prompts[:1, :past], 0))  # the node now holds 10 rows of one sequence
+    with pytest.raises(Exception, match=r"key_total_sequence_lengths.*holds 0 of them"):
+        session.run(["logits"], feeds(np.array([[5], [6]]), past))  # two rows: a sequence it does not hold
+    logits = session.run(["logits"], feeds(np.array([[5]]), past))[0]  # the held sequence goes on
+    assert np.isfinite(logits).all()
+
+    model = onnx.load(str(held / "model.onnx"))
+    node = bridge_nodes(model)[0]
+    node.output.append("")
+    node.output[1] = "asked_present"
+    model.graph.output.append(onnx.helper.make_tensor_value_info("asked_present", onnx.TensorProto.FLOAT, None))
+    asking = ort.InferenceSession(model.SerializeToString(), sao.session_options())
+    with pytest.raises(Exception, match=r"present_key': must be absent when past_key and past_value are"):
+        asking.run(["logits"], feeds(prompts[:1, :past], 0))

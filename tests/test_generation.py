@@ -264,6 +264,9 @@ def test_last_logits_are_the_rows_generate_reads(rng, name):
     last = _Loop(trimmed, io, 2, 64).last(ids, lengths)
     expected = full[np.arange(2), lengths - 1]
     np.testing.assert_allclose(last, expected, rtol=1e-3, atol=1e-2 if name.endswith("f16") else 1e-4)
+    step = _Loop(trimmed, io, 2, 64)
+    step.step(ids, lengths)
+    assert step.step(np.array([[5], [6]], np.int64), lengths + 1).shape[:2] == (2, 1), "a decode step computes one row per sequence"
     assert generate(trimmed, prompts, 12).tokens == generate(whole, prompts, 12).tokens
     with pytest.raises(GenerationError, match="one position per row"):
         prompt_logits(trimmed, prompts)

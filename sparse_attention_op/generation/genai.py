@@ -52,8 +52,8 @@ from sparse_attention_op.settings import SessionSettings
 RECORD_FILE = "sparse_attention_op.json"
 #: GenAI's name of the WebGPU EP in configs and Config.append_provider.
 GENAI_WEBGPU = "WebGPU"
-#: How GenAI's convention names every past input (past_key_values.{layer}.key/value).
-PAST_PREFIX = "past_key_values."
+#: How GenAI names a layer's past key unless the config says otherwise (decoder.inputs.past_key_names).
+PAST_KEY_NAMES = "past_key_values.%d.key"
 
 
 #: Who holds the SparseAttention layers' caches in a prepared folder.
@@ -78,7 +78,8 @@ def prepare_genai_folder(source, target, *, kv_check: str = "fast", sparse_cache
     the graph and lets each node hold its own (ort/held_caches.py), so that GenAI binds only
     the other layers'. Under ORT's WebGPU EP, which GenAI gives every cache it binds, that
     spares copying the SparseAttention caches between device and host on each step; it
-    gives up beam search and a caller's edits of those caches.
+    gives up beam search, a caller's edits of those caches, and more than one live sequence
+    per thread (every model loaded from the folder shares its nodes' held caches).
     ``overwrite``: replace an existing ``target`` (only a GenAI model folder or an empty
     folder). The folder appears complete or not at all. Before ``onnxruntime_genai.Model``
     opens it, the process must have called :func:`sparse_attention_op.register` (or use
@@ -109,7 +110,7 @@ def prepare_genai_folder(source, target, *, kv_check: str = "fast", sparse_cache
             # two models' nodes of the same name and index must not share a cache.
             prepared = prepare_model(model, session_token=token, kv_check=kv_check, scope=f"{relative}#")
             if sparse_caches == "op":
-                _hold_caches(prepared, relative)
+                _hold_caches(prepared, relative, _past_key_names(component))
             destination = staging / relative
             destination.parent.mkdir(parents=True, exist_ok=True)
             onnx.save(prepared, str(destination))
@@ -141,11 +142,16 @@ def prepare_genai_folder(source, target, *, kv_check: str = "fast", sparse_cache
     return target
 
 
-def _hold_caches(model: onnx.ModelProto, relative: str) -> None:
+def _past_key_names(component: dict) -> str:
+    return component.get("inputs", {}).get("past_key_names", PAST_KEY_NAMES)
+
+
+def _hold_caches(model: onnx.ModelProto, relative: str, past_key_names: str) -> None:
     """sparse_caches="op" for one model: its SparseAttention nodes hold their caches."""
     if not hold_sparse_caches(model, is_bridge_node):
         raise ValueError(f"sparse_caches='op': no SparseAttention node of {relative} has pasts that are graph inputs of its own")
-    if not any(graph_input.name.startswith(PAST_PREFIX) for graph_input in model.graph.input):
+    prefix, _, suffix = past_key_names.partition("%d")
+    if not any(i.name.startswith(prefix) and i.name.endswith(suffix) for i in model.graph.input):
         raise ValueError(
             f"sparse_caches='op' would leave {relative} no cache input, and ORT GenAI needs one: "
             "keep sparse_caches='graph' for a model without other attention layers"

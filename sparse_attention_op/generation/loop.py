@@ -329,6 +329,12 @@ def generate(
     return GenerationResult(generated, [len(r) for r in rows], reasons, prompt_seconds, step_seconds)
 
 
+def _logits_positions(ends: np.ndarray) -> np.ndarray:
+    """What a trimmed model's head is fed (ort/last_logits.py): one position where every row
+    ends there, else each row's."""
+    return (ends[:1] if (ends == ends[0]).all() else ends).astype(np.int64)
+
+
 def _capacity(io: _DecoderIO, asked: int | None, needed: int) -> int:
     """Rows of each KV buffer: a static cache's own, else what was asked, else what is needed."""
     if io.static_rows is None:
@@ -420,8 +426,7 @@ class _Loop:
             positions = first[:, None] + np.arange(seq)[None, :]
             binding.bind_cpu_input(POSITION_IDS, positions.astype(positions_dtype))
         if self.io.last_logits:
-            # Each row's last token of this call: a prompt's ends at key_totals - 1, a step's token is its only one.
-            binding.bind_cpu_input(LOGITS_POSITIONS, (key_totals - 1 if width == seq else np.full(batch, seq - 1)).astype(np.int64))
+            binding.bind_cpu_input(LOGITS_POSITIONS, _logits_positions(self._ends(seq, key_totals)))
         binding.bind_output(LOGITS)  # ORT allocates it: its shape changes between prompt and decode
         self.session.run_with_iobinding(binding)
         return binding.get_outputs()[0].numpy()
@@ -429,11 +434,17 @@ class _Loop:
     def last(self, ids: np.ndarray, key_totals: np.ndarray) -> np.ndarray:
         """:meth:`step`, keeping the logits of each row's last token: float32 (batch, vocab)."""
         logits = self.step(ids, key_totals)
-        rows = np.arange(len(ids))
+        rows, ends = np.arange(len(ids)), self._ends(ids.shape[1], key_totals)
         if self.io.last_logits:
-            return logits[rows, rows].astype(np.float32)  # row b's chosen position is logits[b, b]
-        ends = key_totals - 1 if ids.shape[1] == int(key_totals.max()) else np.full(len(ids), ids.shape[1] - 1)
+            columns = rows if len(_logits_positions(ends)) > 1 else np.zeros_like(rows)
+            return logits[rows, columns].astype(np.float32)
         return logits[rows, ends].astype(np.float32)
+
+    @staticmethod
+    def _ends(seq: int, key_totals: np.ndarray) -> np.ndarray:
+        """Each row's last token within a call of ``seq`` tokens: a prompt's ends at
+        key_totals - 1, a later call's at its last token."""
+        return key_totals - 1 if seq == int(key_totals.max()) else np.full(len(key_totals), seq - 1)
 
 
 def _session(model, kv_check: str, ep: str, ep_options: dict | None) -> tuple[ort.InferenceSession, dict]:

@@ -257,7 +257,7 @@ def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
     output = context.output(0, shape.output_shape)
     presents = [context.output(index, shape.cache_shape) for index in (1, 2)]
     if held is not None:
-        if presents != [None, None]:
+        if presents[0] is not None or presents[1] is not None:
             name = "present_key" if presents[0] is not None else "present_value"
             raise SparseAttentionInputError(name, "must be absent when past_key and past_value are (the node holds its cache itself)")
         presents = [held.key, held.value]  # the new rows go in place, as into a shared past/present buffer
@@ -327,7 +327,7 @@ def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
     if presents[0] is not None and rotary:  # the keys as the GPU rotated them
         write_rows(presents[0], shape, result.new_key)
     if held is not None:
-        held.advance(shape)
+        held_caches.advance(kernel.node_key, held, shape)
     phases = result.stats.phases
     phases["inputs"], phases["outputs"] = inputs_done - start, time.perf_counter() - outputs_start
     records.record_stats(kernel.token, kernel.node_key, result.stats)

@@ -10,12 +10,16 @@ cache itself, per calling thread (:class:`HeldCache`): a host buffer of the node
 that each call reads as its past and writes its new rows into, exactly as it would a
 shared past/present buffer that ORT GenAI bound; the GPU keeps its resident copy as ever.
 
-What the caller gives up: the cache is no longer the caller's to edit. A sequence must
-start with its prompt and go on in order, one step after another, on one thread: a call
-that continues a sequence further than the node holds it raises (naming
-``key_total_sequence_lengths``). Going back (a rewind) is allowed: the call's lengths say
-where the sequence ends. Beam search, which reorders caches between steps, cannot be run on
-such a model.
+What the caller gives up: the cache is no longer the caller's to edit. **A node holds one
+sequence (set of batch rows) per thread**: every session and GenAI model opened on one
+prepared folder shares its nodes, so two sequences that take turns on one thread read each
+other's cache, silently wherever the lengths allow it. Run one sequence at a time per
+thread. A sequence starts with its prompt and goes on step by step; a call that continues
+one further than the node holds it raises (naming ``key_total_sequence_lengths``). Going
+back (a rewind) is allowed: the call's lengths say where the sequence ends. Beam search,
+which reorders caches between steps, cannot be run on such a model. The buffers live until
+the session that owns the nodes is closed (``create_session``'s; a GenAI folder's stay for
+the process, reused by every later load of the folder).
 """
 
 from __future__ import annotations
@@ -40,7 +44,9 @@ class HeldCache:
         self.rows = [0] * shape[0]
 
     def check(self, shape: CallShape) -> None:
-        """Raise unless every batch row's history is what this cache holds."""
+        """Raise unless every batch row's history is what this cache holds; then count only
+        that history as held, until :meth:`advance`: the call writes its rows after it, and a
+        call that fails midway must not leave them counted."""
         for b, past in enumerate(shape.past_lengths):
             if past > self.rows[b]:
                 raise SparseAttentionInputError(
@@ -49,6 +55,7 @@ class HeldCache:
                     "without past_key/past_value holds its cache itself, so a sequence starts with its prompt and runs step "
                     "by step on one thread",
                 )
+        self.rows = [min(held, past) for held, past in zip(self.rows, shape.past_lengths)]
 
     def advance(self, shape: CallShape) -> None:
         """Record a finished call: each batch row's sequence now ends at its key total."""
@@ -65,14 +72,20 @@ class HeldCaches:
     def for_call(self, node_key: str, attributes: OpAttributes, shapes: dict, dtype: np.dtype) -> HeldCache:
         """The calling thread's cache of this node, shaped for the call (``shapes``: the
         call's input shapes by name). A new one, holding nothing, when the call's batch or
-        capacity differs from the one held: only a prompt can then run."""
+        capacity differs from the one held (only a prompt can then run); it replaces the
+        held one only once a call on it succeeds (:meth:`advance`)."""
         shape = held_cache_shape(attributes, shapes)
-        key = (node_key, threading.get_ident())
         with self._lock:
-            cache = self._caches.get(key)
-            if cache is None or cache.key.shape != shape or cache.key.dtype != dtype:
-                cache = self._caches[key] = HeldCache(shape, dtype)
+            cache = self._caches.get((node_key, threading.get_ident()))
+        if cache is None or cache.key.shape != shape or cache.key.dtype != dtype:
+            cache = HeldCache(shape, dtype)
         return cache
+
+    def advance(self, node_key: str, cache: HeldCache, shape: CallShape) -> None:
+        """Record a call that succeeded on ``cache``, which the node now holds."""
+        cache.advance(shape)
+        with self._lock:
+            self._caches[(node_key, threading.get_ident())] = cache
 
     def forget(self, token: str) -> None:
         """Drop the caches of a closed session's nodes."""

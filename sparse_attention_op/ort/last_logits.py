@@ -6,9 +6,11 @@ tokens and Phi-3-small's vocabulary of 100352 that is 1.6 GB of float16 logits t
 and, with the model on a GPU EP, to copy to the host, for 200 KB used.
 :func:`trim_logits` rewrites the model so that the logits head sees only the chosen
 positions: a ``Gather`` along the sequence, fed by one more graph input
-(:data:`LOGITS_POSITIONS`, int64 (batch,): position ``positions[b]`` of the call's tokens
-for row ``b``), in front of the head's matrix product. The output becomes (batch, batch,
-vocab): row ``b`` of the batch at row ``b``'s chosen position is ``logits[b, b]``.
+(:data:`LOGITS_POSITIONS`, int64 (n,): positions within the call's tokens), in front of the
+head's matrix product. The output becomes (batch, n, vocab), every row at every listed
+position. A caller whose rows all end at one position (every decode step, a batch of equal
+prompts) lists it once (n = 1); rows that end apart (a ragged batch's prompt) list one
+position per row and read row ``b``'s logits at ``[b, b]``.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def trim_logits(model: onnx.ModelProto) -> None:
     gather = helper.make_node("Gather", [head.input[0], LOGITS_POSITIONS], [rows], name=f"{head.name}/SaoGatherPositions", axis=1)
     head.input[0] = rows
     graph.node.insert(index, gather)
-    graph.input.append(helper.make_tensor_value_info(LOGITS_POSITIONS, TensorProto.INT64, ["batch_size"]))
+    graph.input.append(helper.make_tensor_value_info(LOGITS_POSITIONS, TensorProto.INT64, ["logits_positions"]))
     for output in graph.output:
         if output.name == LOGITS and len(output.type.tensor_type.shape.dim) == 3:
-            output.type.tensor_type.shape.dim[1].dim_param = "batch_size"
+            output.type.tensor_type.shape.dim[1].dim_param = "logits_positions"

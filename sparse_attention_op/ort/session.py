@@ -194,8 +194,8 @@ def create_session(
     :meth:`SparseAttentionSession.last_stats`).
     ``f16_cache`` keeps float16 models' GPU caches in f16 where the adapter allows (lossless).
     ``last_logits=True`` computes a decoder's ``logits`` only at the positions an added input
-    names, one per batch row (ort/last_logits.py): what :func:`generate` reads, without a
-    prompt's whole logits (1.6 GB for 8k tokens of Phi-3-small) to compute and copy.
+    lists (ort/last_logits.py): what :func:`generate` reads, without a prompt's whole logits
+    (1.6 GB for 8k tokens of Phi-3-small) to compute and copy.
     Model-level faults raise :class:`~sparse_attention_op.op.spec.SparseAttentionError` here;
     call-level faults raise it from ``run``, and the session keeps working afterwards.
     """
