@@ -557,3 +557,19 @@ def test_a_held_node_keeps_its_sequence_through_a_refused_call_and_names_a_prese
     asking = ort.InferenceSession(model.SerializeToString(), sao.session_options())
     with pytest.raises(Exception, match=r"present_key': must be absent when past_key and past_value are"):
         asking.run(["logits"], feeds(prompts[:1, :past], 0))
+
+
+def test_a_held_node_names_its_capacity_when_a_sequence_outgrows_it(source, tmp_path):
+    held = sao.prepare_genai_folder(source, tmp_path / "held", sparse_caches="op")
+    sao.register()
+    session = ort.InferenceSession(str(held / "model.onnx"), sao.session_options())
+    too_long = CONFIG.max_position + 1
+    zeros = np.zeros((1, CONFIG.kv_num_heads, 0, CONFIG.head_size), np.float32)
+    feeds = {
+        "input_ids": np.full((1, too_long), 5, np.int64),
+        "attention_mask": np.ones((1, too_long), np.int64),
+        "past_key_values.2.key": zeros,
+        "past_key_values.2.value": zeros,
+    }
+    with pytest.raises(Exception, match=rf"the node holds its cache: its past_key is a buffer of the {CONFIG.max_position} rows"):
+        session.run(["logits"], feeds)

@@ -240,7 +240,14 @@ def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
         held = held_caches.for_call(kernel.node_key, kernel.attributes, _shapes_by_name(tensors), kernel.dtype)
         tensors[_PAST_KEY], tensors[_PAST_VALUE] = held.key, held.value
     shapes = tuple([None if tensors[i] is None else tensors[i].shape for i in _SHAPED_SLOTS])  # (a list is cheaper to build than a generator)
-    shape = _describe(kernel, shapes, tensors[_TOTAL], tensors[_KEY_TOTALS])
+    try:
+        shape = _describe(kernel, shapes, tensors[_TOTAL], tensors[_KEY_TOTALS])
+    except SparseAttentionInputError as error:
+        if held is None or "past_key" not in error.rule:
+            raise
+        rows = held.key.shape[2]
+        held_rule = f"{error.rule} (the node holds its cache: its past_key is a buffer of the {rows} rows its layout and cos/sin allow)"
+        raise SparseAttentionInputError(error.input_name, held_rule) from None
     past_key, past_value = tensors[_PAST_KEY], tensors[_PAST_VALUE]
     if held is not None:
         held.check(shape)
