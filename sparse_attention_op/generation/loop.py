@@ -40,12 +40,12 @@ from sparse_attention_op.ort.graph import (
     node_attributes,
 )
 from sparse_attention_op.ort.io_binding import device_pasts, on_device
-from sparse_attention_op.ort.last_logits import LOGITS_POSITIONS, logits_head
+from sparse_attention_op.ort.last_logits import LOGITS, LOGITS_POSITIONS, logits_head
 from sparse_attention_op.ort.model import load_for_session
 from sparse_attention_op.ort.providers import require_ep, session_ep
 from sparse_attention_op.settings import SessionSettings, SettingsError
 
-INPUT_IDS, ATTENTION_MASK, POSITION_IDS, LOGITS = "input_ids", "attention_mask", "position_ids", "logits"
+INPUT_IDS, ATTENTION_MASK, POSITION_IDS = "input_ids", "attention_mask", "position_ids"
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 PRESENT = "present.{layer}.{kind}"
 
@@ -434,11 +434,10 @@ class _Loop:
     def last(self, ids: np.ndarray, key_totals: np.ndarray) -> np.ndarray:
         """:meth:`step`, keeping the logits of each row's last token: float32 (batch, vocab)."""
         logits = self.step(ids, key_totals)
-        rows, ends = np.arange(len(ids)), self._ends(ids.shape[1], key_totals)
-        if self.io.last_logits:
-            columns = rows if len(_logits_positions(ends)) > 1 else np.zeros_like(rows)
-            return logits[rows, columns].astype(np.float32)
-        return logits[rows, ends].astype(np.float32)
+        rows = np.arange(len(ids))
+        if self.io.last_logits:  # one listed position for all rows, or row b's at [b, b] (_logits_positions)
+            return logits[rows, rows if logits.shape[1] > 1 else 0].astype(np.float32)
+        return logits[rows, self._ends(ids.shape[1], key_totals)].astype(np.float32)
 
     @staticmethod
     def _ends(seq: int, key_totals: np.ndarray) -> np.ndarray:

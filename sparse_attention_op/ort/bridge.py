@@ -47,6 +47,7 @@ from sparse_attention_op.op.spec import (
     assemble_call,
     describe_lengths,
     describe_shapes,
+    held_cache_shape,
     new_rows,
 )
 from sparse_attention_op.ort import custom_op
@@ -159,6 +160,8 @@ class NodeKernel:
     #: describe_shapes' verdicts by the inputs' shapes (_describe), the node's own: keyed by
     #: the shapes alone, whose hash is C's, not the attributes' dataclass hash.
     known_shapes: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+    #: _held_shape's results by the inputs' shapes, for a node that holds its cache.
+    held_shapes: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property
     def token(self) -> str:
@@ -234,12 +237,13 @@ def _drop_locals(error: BaseException) -> None:
 def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
     start = time.perf_counter()
     tensors = context.inputs()
+    shapes = tuple([None if tensors[i] is None else tensors[i].shape for i in _SHAPED_SLOTS])  # (a list is cheaper to build than a generator)
     held = None
     if tensors[_PAST_KEY] is None or tensors[_PAST_VALUE] is None:
         # A node without pasts holds its cache itself (held_caches.py): it stands in for them.
-        held = held_caches.for_call(kernel.node_key, kernel.attributes, _shapes_by_name(tensors), kernel.dtype)
+        held = held_caches.for_call(kernel.node_key, _held_shape(kernel, shapes), kernel.dtype)
         tensors[_PAST_KEY], tensors[_PAST_VALUE] = held.key, held.value
-    shapes = tuple([None if tensors[i] is None else tensors[i].shape for i in _SHAPED_SLOTS])  # (a list is cheaper to build than a generator)
+        shapes = tuple([None if tensors[i] is None else tensors[i].shape for i in _SHAPED_SLOTS])
     try:
         shape = _describe(kernel, shapes, tensors[_TOTAL], tensors[_KEY_TOTALS])
     except SparseAttentionInputError as error:
@@ -340,8 +344,15 @@ def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
     records.record_stats(kernel.token, kernel.node_key, result.stats)
 
 
-def _shapes_by_name(tensors: list) -> dict:
-    return {name: None if tensors[i] is None else tensors[i].shape for name, i in zip(SHAPED_INPUTS, _SHAPED_SLOTS)}
+def _held_shape(kernel: NodeKernel, shapes: tuple) -> tuple[int, ...]:
+    """spec.held_cache_shape for a call without pasts, once per distinct set of shapes (as _describe)."""
+    held = kernel.held_shapes.get(shapes)
+    if held is None:
+        held = held_cache_shape(kernel.attributes, dict(zip(SHAPED_INPUTS, shapes)))
+        if len(kernel.held_shapes) > 64:
+            kernel.held_shapes.clear()
+        kernel.held_shapes[shapes] = held
+    return held
 
 
 def _as_is(array, name: str):

@@ -29,7 +29,7 @@ import threading
 import numpy as np
 import onnx
 
-from sparse_attention_op.op.spec import CallShape, OpAttributes, SparseAttentionInputError, held_cache_shape
+from sparse_attention_op.op.spec import CallShape, SparseAttentionInputError
 
 _PAST_SLOTS, _PRESENT_SLOTS = (3, 4), (1, 2)
 
@@ -69,12 +69,11 @@ class HeldCaches:
         self._caches: dict[tuple[str, int], HeldCache] = {}
         self._lock = threading.Lock()
 
-    def for_call(self, node_key: str, attributes: OpAttributes, shapes: dict, dtype: np.dtype) -> HeldCache:
-        """The calling thread's cache of this node, shaped for the call (``shapes``: the
-        call's input shapes by name). A new one, holding nothing, when the call's batch or
-        capacity differs from the one held (only a prompt can then run); it replaces the
-        held one only once a call on it succeeds (:meth:`advance`)."""
-        shape = held_cache_shape(attributes, shapes)
+    def for_call(self, node_key: str, shape: tuple[int, ...], dtype: np.dtype) -> HeldCache:
+        """The calling thread's cache of this node, of ``shape`` (spec.held_cache_shape of the
+        call). A new one, holding nothing, when the call's batch or capacity differs from the
+        one held (only a prompt can then run); it replaces the held one only once a call on
+        it succeeds (:meth:`advance`)."""
         with self._lock:
             cache = self._caches.get((node_key, threading.get_ident()))
         if cache is None or cache.key.shape != shape or cache.key.dtype != dtype:
@@ -92,10 +91,6 @@ class HeldCaches:
         with self._lock:
             for key in [key for key in self._caches if key[0].split("/", 1)[0] == token]:
                 del self._caches[key]
-
-    def nbytes(self) -> int:
-        with self._lock:
-            return sum(cache.key.nbytes + cache.value.nbytes for cache in self._caches.values())
 
 
 held_caches = HeldCaches()

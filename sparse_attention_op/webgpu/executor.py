@@ -41,7 +41,7 @@ import wgpu
 from sparse_attention_op.op.block_plan import BlockPlan, BlockPlanCache
 from sparse_attention_op.op.spec import CallShape, SparseAttentionCall, SparseAttentionError, new_rows
 from sparse_attention_op.settings import DEFAULT_SETTINGS, SessionSettings
-from sparse_attention_op.webgpu import buffers, kernels, recording
+from sparse_attention_op.webgpu import buffers, host_threads, kernels, recording
 from sparse_attention_op.webgpu.buffers import STORAGE_IN, STORAGE_OUT, UNIFORM, BufferPool, Download, Upload, aligned, step_layout
 from sparse_attention_op.webgpu.cache_record import gather_probes, model_itemsize, probe_count, probe_rows
 from sparse_attention_op.webgpu.device import GpuContext, get_context
@@ -139,7 +139,6 @@ class WebGPUExecutor:
         #: Layouts by node key, for nodes whose layout is a constant (sent once).
         self._layouts: dict[str, BlockPlan] = {}
         self._scratch = BufferPool(self.context.device, self.context.max_binding_bytes)
-        self._host_arrays: dict[tuple[str, int], np.ndarray] = {}
         self._lock = threading.Lock()
         # Sessions are finalised by the garbage collector, which can run anywhere, also
         # inside a call holding the lock: finalisers only queue their prefix here (deque
@@ -351,22 +350,12 @@ class WebGPUExecutor:
         if not dispatch.limits_ok:
             raise SparseAttentionError("SparseAttention input 'query': batch, heads or sequence exceed the GPU's dispatch limits")
 
-    def _host_array(self, name: str, shape, dtype=np.float32) -> np.ndarray:
-        """A host array kept per calling thread and reused by every call (fresh large arrays
-        are slow to fault in)."""
-        key = (name, threading.get_ident())
-        size = math.prod(shape)  # plain ints: np.prod costs a call microseconds
-        array = self._host_arrays.get(key)
-        if array is None or array.size < size:
-            array = self._host_arrays[key] = np.empty(size, dtype)
-        return array[:size].reshape(shape)
-
     def _packing(self, nbytes: int) -> np.ndarray:
         """The host array a call's small inputs are packed in before their one write, kept
         per thread and shared by every node's plan (warm in the CPU's caches, unlike one
         array per node). The padding between sections is never read, so it may hold any
         bytes (a test lends an array of all-ones bytes to prove it)."""
-        return self._host_array("packed_inputs", (nbytes,), np.uint8)
+        return host_threads.reused("packed_inputs", (nbytes,), np.uint8)
 
     def _timed(self, settings: SessionSettings) -> bool:
         return settings.profiled and "timestamp-query" in self.context.features
@@ -439,7 +428,7 @@ class WebGPUExecutor:
         dispatches = kernels.call_dispatches(shape, route, cache_format, resources)
         if probing:
             dispatches = [kernels.probe_compare(shape, cache_format, resources, probes)] + dispatches
-        host_results = [self._host_array(name, dims, dtype) for name, dims, dtype in results]
+        host_results = [host_threads.reused(name, dims, dtype) for name, dims, dtype in results]
         readback = new_readback(pool, layout, host_results, self.tuning.transfer_chunk_bytes)
         # Inputs within the bytes one write moves without staging are packed on the host.
         packed = self._packing(layout.input_bytes) if layout.input_bytes <= min(buffers.PACK_BYTES, buffers.STAGING_BYTES) else None

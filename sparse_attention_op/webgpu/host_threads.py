@@ -9,6 +9,7 @@ than it saves.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -60,17 +61,24 @@ def copy_flat(destination: np.ndarray, source: np.ndarray) -> None:
         copy(destination, source)
 
 
+def reused(name: str, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+    """An array of ``shape`` that this thread keeps under ``name`` and hands out again, grown
+    when a larger one is asked for: fresh arrays of hundreds of MB are slow to fault in. Its
+    content stays until the next request of the same ``name`` on this thread."""
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    size = math.prod(shape)  # plain ints: np.prod costs a call microseconds
+    array = buffers.get(name)
+    if array is None or array.size < size or array.dtype != dtype:
+        array = buffers[name] = np.empty(size, dtype)
+    return array[:size].reshape(shape)
+
+
 def as_float32(array: np.ndarray, name: str) -> np.ndarray:
-    """``array`` converted to float32. A large one goes into a buffer this thread keeps under
-    ``name`` and reuses, converted over the pool: a fresh array of hundreds of MB is slow to
-    fault in, and numpy converts float16 on one core. That result stays valid until the next
-    call with the same ``name`` on this thread."""
+    """``array`` converted to float32. A large one goes into the :func:`reused` array
+    ``name``, converted over the pool (numpy converts float16 on one core); it stays valid
+    until the next call with the same ``name`` on this thread."""
     if array.nbytes < PARALLEL_BYTES:
         return array.astype(np.float32)
-    buffers = _scratch.__dict__.setdefault("buffers", {})
-    buffer = buffers.get(name)
-    if buffer is None or buffer.size < array.size:
-        buffer = buffers[name] = np.empty(array.size, np.float32)
-    converted = buffer[: array.size].reshape(array.shape)
+    converted = reused(f"float32 {name}", array.shape)
     copy_flat(converted, array)
     return converted
