@@ -195,13 +195,20 @@ def _describe(kernel: NodeKernel, shapes: tuple, total: np.ndarray, key_totals: 
     decode step has the shapes of the step before it, so only the length rules run again;
     and one ShapeFacts object per set, which the key of the executor's step plans then
     matches by identity, without comparing fields)."""
-    facts = kernel.known_shapes.get(shapes)
-    if facts is None:
-        facts = describe_shapes(kernel.attributes, dict(zip(SHAPED_INPUTS, shapes)))
-        if len(kernel.known_shapes) > 64:
-            kernel.known_shapes.clear()
-        kernel.known_shapes[shapes] = facts
+    facts = _per_shapes(kernel.known_shapes, shapes, kernel.attributes, describe_shapes)
     return describe_lengths(facts, total, key_totals)
+
+
+def _per_shapes(table: dict, shapes: tuple, attributes: OpAttributes, rule):
+    """``rule(attributes, shapes by name)``, worked out once per distinct set of shapes (a
+    decode step repeats the shapes of the step before it)."""
+    found = table.get(shapes)
+    if found is None:
+        found = rule(attributes, dict(zip(SHAPED_INPUTS, shapes)))
+        if len(table) > 64:
+            table.clear()
+        table[shapes] = found
+    return found
 
 
 _SHAPED_SLOTS = tuple(INPUT_NAMES.index(name) for name in SHAPED_INPUTS)
@@ -345,14 +352,8 @@ def _compute(kernel: NodeKernel, context: custom_op.KernelContext) -> None:
 
 
 def _held_shape(kernel: NodeKernel, shapes: tuple) -> tuple[int, ...]:
-    """spec.held_cache_shape for a call without pasts, once per distinct set of shapes (as _describe)."""
-    held = kernel.held_shapes.get(shapes)
-    if held is None:
-        held = held_cache_shape(kernel.attributes, dict(zip(SHAPED_INPUTS, shapes)))
-        if len(kernel.held_shapes) > 64:
-            kernel.held_shapes.clear()
-        kernel.held_shapes[shapes] = held
-    return held
+    """spec.held_cache_shape for a call without pasts."""
+    return _per_shapes(kernel.held_shapes, shapes, kernel.attributes, held_cache_shape)
 
 
 def _as_is(array, name: str):
