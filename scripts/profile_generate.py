@@ -11,7 +11,10 @@ decode step: the wall time of ``session.run``, each node kind's time and count, 
 outside every node. ORT's WebGPU EP queues its kernels: their times are the host's time to
 record them, and the GPU's time surfaces where the host waits for it, in the copies to the
 host (``MemcpyToHost``) before each host-side node. This package's op (``SparseAttention``
-on the CPU EP) counts its whole call, its own GPU wait included.
+on the CPU EP) counts its whole call, its own GPU wait included; for b and d the script also
+prints the op's own phases (``CallStats.phases``: the bridge's inputs and outputs, the
+executor's prepare, submit, wait and record), the mean over the nodes of one prompt and of the
+last decode step.
 """
 
 from __future__ import annotations
@@ -53,7 +56,10 @@ def profile(config: str, model: Path, prompt: list[int], steps: int, ep_options:
     runner.generate(list(range(2, 66)), 4)  # compiles the kernels
     runner.generate(prompt, 2)  # and those for this prompt's length
     _, prompt_seconds, step_seconds = runner.generate(prompt, steps + 1)
-    runs = read_profile(runner.session.end_profiling())[-(steps + 1) :]
+    decode_phases = op_phases(runner.session)
+    runner.generate(prompt, 1)  # the prompt alone, for its op phases
+    prompt_phases = op_phases(runner.session)
+    runs = read_profile(runner.session.end_profiling())[-(steps + 2) : -1]
     prompt_run, decode = runs[0], median_profile(runs[1:])
     return {
         "config": config,
@@ -62,7 +68,31 @@ def profile(config: str, model: Path, prompt: list[int], steps: int, ep_options:
         "decode_step_seconds": float(np.median(step_seconds)),
         "prompt": prompt_run,
         "decode": decode,
+        "op_phases": {"prompt": prompt_phases, "decode": decode_phases},
     }
+
+
+def op_phases(session) -> dict:
+    """The mean over the SparseAttention nodes of each phase of their calls in the session's
+    last run (seconds); empty for sessions that keep no stats (a and c)."""
+    stats = session.last_stats() if hasattr(session, "last_stats") else {}
+    if not stats:
+        return {}
+    totals: dict[str, float] = {}
+    for call in stats.values():
+        for phase, seconds in call.phases.items():
+            totals[phase] = totals.get(phase, 0.0) + seconds
+    return {phase: seconds / len(stats) for phase, seconds in totals.items()}
+
+
+def phase_table(phases: dict) -> list[str]:
+    ms = {phase: seconds * 1e3 for phase, seconds in phases.items()}
+    return [
+        "| op phase, mean per node | ms |",
+        "|---|---|",
+        *(f"| {phase} | {value:.3f} |" for phase, value in ms.items()),
+        f"| sum | {sum(ms.values()):.3f} |",
+    ]
 
 
 def main() -> int:
@@ -93,6 +123,9 @@ def main() -> int:
             print()
             step = f"Median decode step at {args.prompt} (generate's wall: {found['decode_step_seconds'] * 1e3:.2f} ms)"
             print("\n".join(table(step, found["decode"])) + "\n", flush=True)
+            for phase, phases in found["op_phases"].items():
+                if phases:
+                    print(f"The op's phases, {phase}:\n\n" + "\n".join(phase_table(phases)) + "\n", flush=True)
             for phase in ("prompt", "decode"):
                 run = found[phase]
                 found[phase] = {"seconds": run.seconds, "outside_nodes": run.between, "kinds": [[*kind, *value] for kind, value in run.kinds.items()]}
