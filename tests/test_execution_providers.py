@@ -170,10 +170,15 @@ def test_inspect_shows_what_the_webgpu_ep_takes(capsys):
 
 
 @needs_device
-def test_genai_runs_a_prepared_folder_under_the_webgpu_ep(tmp_path):
+@pytest.mark.parametrize("sparse_caches", ["graph", "op"])
+def test_genai_runs_a_prepared_folder_under_the_webgpu_ep(tmp_path, sparse_caches):
     og = pytest.importorskip("onnxruntime_genai")
-    folder = sao.prepare_genai_folder(FOLDER, tmp_path / "prepared")
-    model = sao.load_genai_model(folder, ep="webgpu")
+    folder = sao.prepare_genai_folder(FOLDER, tmp_path / "prepared", sparse_caches=sparse_caches)
+    if sparse_caches == "graph":  # GenAI keeps those caches on the EP's device: the user is told what that costs
+        with pytest.warns(UserWarning, match="sparse_caches='op'"):
+            model = sao.load_genai_model(folder, ep="webgpu")
+    else:
+        model = sao.load_genai_model(folder, ep="webgpu")
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=24, do_sample=False)
     generator = og.Generator(model, params)
