@@ -199,9 +199,11 @@ def load_genai_model(folder, *, ep: str = "cpu", ep_options: dict | None = None)
     folder copied with ``cp -r`` or moved to another filesystem holds a copy instead, which
     GenAI would load as a second library without the bridge's ops). The nodes' GPU state is
     freed when the last model loaded from a folder with this token is garbage-collected.
-    Models from one folder share that state per thread: generators interleaved on one
-    thread make each node's cache check fail and re-upload history (``"fast"``) or compare
-    every row (``"exact"``); results stay those of each generator's own past.
+    Models from one folder share that state per thread: in a ``sparse_caches="graph"``
+    folder, generators interleaved on one thread make each node's cache check fail and
+    re-upload history (``"fast"``) or compare every row (``"exact"``), and results stay
+    those of each generator's own past; in an ``"op"`` folder they share the held caches
+    (one live sequence per thread, docs/genai.md).
     """
     folder = Path(folder)
     config = _read_config(folder, "folder")

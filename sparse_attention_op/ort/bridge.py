@@ -101,8 +101,8 @@ class SessionRecords:
     Keyed by thread: ORT runs a node on the thread that called ``run`` (sequential
     execution, which create_session requires), so concurrent runs of one session from
     several threads never see each other's errors or stats. Only sessions made by
-    create_session register; a plain InferenceSession over prepare_model's output gets
-    default settings, and its refused calls are logged as well as raised by ORT.
+    create_session register; a plain InferenceSession over prepare_model's output runs with
+    the settings stamped on its nodes, and its refused calls are logged as well as raised by ORT.
     """
 
     def __init__(self):

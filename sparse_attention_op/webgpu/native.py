@@ -93,7 +93,7 @@ def create_unchecked_shader_module(device, wgsl: str, label: str):
     64-bit counter that breaks out at 2^64 (ForceLoopBounding), so that no WGSL program can
     read out of bounds or make a driver assume an infinite loop away. The counter keeps
     drivers from unrolling fixed-count loops and each clamp sits between an index and its
-    load (gfx-rs/wgpu#7698 reports a 100x slowdown from the loop counters alone). wgpu-native's
+    load (the loop counters alone have been seen to slow a pipeline 100x). wgpu-native's
     ``wgpuDeviceCreateShaderModuleTrusted`` with ``WGPUShaderRuntimeChecks_None`` leaves
     both out. Only for WGSL whose indices are in range and whose loops end by construction:
     this package's own templates (Tuning.shader_runtime_checks says why they qualify).
