@@ -9,6 +9,7 @@ killing pytest.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import gc
 import json
@@ -474,6 +475,28 @@ def test_held_caches_give_the_tokens_of_orts_kernel(og, held, prompts, ort_kerne
     while not generator.is_done():
         generator.generate_next_token()
     assert [int(t) for t in generator.get_sequence(0)][PROMPT_LEN:] == ort_kernel_tokens[0]
+
+
+def test_held_caches_at_an_8k_prompt_give_the_tokens_of_orts_kernel(og, tmp_path):
+    """A long context end to end on the host: a float16 decoder, a prompt of 8192 tokens, then
+    greedy tokens through GenAI with the caches held, against GenAI on ORT's own kernels."""
+    config = dataclasses.replace(CONFIG, dtype="float16", max_position=8256)
+    source = tmp_path / "source"
+    write_model_folder(config, source)
+    held = sao.prepare_genai_folder(source, tmp_path / "held", sparse_caches="op")
+    prompt = np.random.default_rng(8192).integers(2, config.vocab_size, (1, 8192)).astype(np.int32)
+
+    def tokens(folder_model) -> list[int]:
+        params = og.GeneratorParams(folder_model)
+        params.set_search_options(max_length=8192 + 8)
+        generator = og.Generator(folder_model, params)
+        generator.append_tokens(prompt)
+        while not generator.is_done():
+            generator.generate_next_token()
+        return [int(t) for t in generator.get_sequence(0)][8192:]
+
+    expected = tokens(og.Model(str(source)))
+    assert len(expected) == 8 and tokens(sao.load_genai_model(held)) == expected
 
 
 def test_a_held_cache_refuses_a_sequence_it_does_not_hold(source, prompts, tmp_path):
